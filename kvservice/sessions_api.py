@@ -1,0 +1,67 @@
+"""Plain descriptions of what a session registers; the servicer builds them from protobuf."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvservice.types import NamespaceId, SessionId
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceSpec:
+    """The tuple that decides whether two engines' KV bytes mean the same thing."""
+
+    model_id: str
+    kv_dtype: str
+    tokens_per_block: int
+    layout: str
+    tp_rank: int
+    tp_size: int
+    cache_salt: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolRegion:
+    offset: int
+    block_stride: int
+    block_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    """An engine's KV pool: block b of region r is at regions[r].offset + b * block_stride."""
+
+    kind: str  # "shm" | "cuda"
+    num_blocks: int
+    regions: tuple[PoolRegion, ...]
+    size: int  # bytes of the whole allocation
+    shm_name: str = ""
+    cuda_handle: bytes = b""
+    cuda_device_index: int = -1
+    cuda_device_uuid: str = ""
+    cuda_event_handle: bytes = b""
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(r.block_bytes for r in self.regions)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo:
+    session_id: SessionId
+    namespace_id: NamespaceId
+    client_name: str
+    pool_kind: str
+    pool_blocks: int
+    opened_at: float
+    lease_expires_in: float
+    pinned_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class OpenedSession:
+    session_id: SessionId
+    namespace_id: NamespaceId
+    lease_seconds: float
+    max_batch_blocks: int
+    block_bytes: int
