@@ -7,92 +7,465 @@ Primitives (all per block, batched per call; the session must be open):
   load(refs) -> LoadResult per block; returns once the bytes are in the engine pool
   prefetch(hashes) -> stage disk blocks into the host tier under a short pin lease
   retain(hashes, ttl) -> new deadline per block (deadlines only ever extend)
-  evict(...) / stats() / namespaces() / sessions()           admin
+  evict(...) / stats views                                    admin
 Request-level errors raise CacheError(code, message); per-block outcomes are results.
+Moves between tiers live in tiers.Tiers; the policies in eviction and retention.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
+from kvservice.checksum import checksum
 from kvservice.clock import Clock
 from kvservice.config import Config
+from kvservice.engine_memory import EngineMemory, open_engine_memory
+from kvservice.index import DiskState, Entry
+from kvservice.io_backend import BlockIO, BlockIOError, open_backend
+from kvservice.namespaces import NamespaceRegistry
+from kvservice.sessions import Session, SessionTable
 from kvservice.sessions_api import NamespaceSpec, OpenedSession, PoolSpec, SessionInfo
-from kvservice.stats import Counters, Histogram
-from kvservice.types import BlockHash, BlockId, LoadResult, NamespaceId, PrefetchStatus, SessionId, StoreResult, Tier
+from kvservice.stats import CounterSet, Counters, Histogram
+from kvservice.tiers import Tiers
+from kvservice.types import (
+    HASH_BYTES, BlockHash, BlockKey, CacheError, ErrorCode, LoadResult, LoadStatus, NamespaceId, PrefetchStatus,
+    SessionId, StoreResult, StoreStatus, Tier,
+)
+
+log = logging.getLogger(__name__)
+
+
+def _gather_with_checksums(memory: EngineMemory, block_ids: list[int]) -> tuple[torch.Tensor, list[int]]:
+    rows = memory.gather(block_ids)
+    return rows, [checksum(rows[i]) for i in range(rows.shape[0])]
 
 
 class BlockCache:
-    def __init__(self, config: Config, clock: Clock) -> None:
-        raise NotImplementedError
+    def __init__(self, config: Config, clock: Clock, io: BlockIO | None = None) -> None:
+        self.config = config
+        self.clock = clock
+        self.stats = CounterSet()
+        self._io = io
+        self.tiers: Tiers | None = None
+        self.namespaces = NamespaceRegistry(config.disk_path if config.has_disk else "")
+        self._sessions = SessionTable(config.lease_seconds, config.max_sessions)
+        self._leases: dict[BlockKey, tuple[Entry, bool]] = {}  # prefetch leases: entry, staged from disk
+        self._copy_pool = ThreadPoolExecutor(4, thread_name_prefix="kv-copy")
+        self._store_latency = Histogram("store")
+        self._load_latency = Histogram("load")
+        self.started_at = time.time()
+        self._stopping = False
+        self._background: set[asyncio.Task] = set()
 
     # --- lifecycle
-    async def start(self) -> None:
-        """Open the I/O backend, recover the disk tier, start the writer pool."""
-        raise NotImplementedError
+    async def start(self) -> int:
+        """Open the I/O backend, recover the disk tier, start the writers. Returns blocks recovered."""
+        if self._io is None:
+            self._io = open_backend(self.config.io_backend)
+        self.tiers = Tiers(self.config, self._io, self.stats, self.clock.now)
+        recovered = await self.tiers.recover()
+        for e in self.tiers.index.values():
+            self.namespaces.known_from_disk(e.namespace, e.size)
+        self.tiers.start()
+        return recovered
 
     async def drain_and_stop(self) -> None:
         """Finish every queued disk write, close sessions and mappings. Used on SIGTERM."""
-        raise NotImplementedError
+        self._stopping = True
+        t = self._t
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        await t.drain()
+        for s in self._sessions.all():
+            self._close(s)
+        await t.stop()
+        self._copy_pool.shutdown(wait=True)
+
+    @property
+    def _t(self) -> Tiers:
+        if self.tiers is None:
+            raise CacheError(ErrorCode.UNAVAILABLE, "cache not started")
+        return self.tiers
 
     @property
     def io_backend_name(self) -> str:
-        raise NotImplementedError
+        return self._io.name if self._io is not None else "none"
 
     # --- sessions
     def open_session(self, ns: NamespaceSpec, pool: PoolSpec, canary: bytes, client_name: str) -> OpenedSession:
-        raise NotImplementedError
+        if self._stopping:
+            raise CacheError(ErrorCode.UNAVAILABLE, "daemon is shutting down")
+        self._sessions.check_room()
+        rec = self.namespaces.admit(ns, pool, canary)
+        memory = open_engine_memory(pool)
+        s = self._sessions.open(rec.id, pool, memory, client_name[:200], self.clock.now())
+        log.info("session %s opened: namespace %s (%s), %d blocks of %d bytes, client %r",
+                 s.id[:8], rec.id, ns.model_id, pool.num_blocks, pool.block_bytes, client_name)
+        return OpenedSession(s.id, rec.id, self.config.lease_seconds, self.config.max_batch_blocks, pool.block_bytes)
 
     def heartbeat(self, session_id: SessionId) -> float:
-        raise NotImplementedError
+        self._sessions.heartbeat(session_id, self.clock.now())
+        return self.config.lease_seconds
 
     def close_session(self, session_id: SessionId) -> None:
-        raise NotImplementedError
+        self._close(self._sessions.get(session_id))
+
+    def _close(self, s: Session) -> None:
+        self._sessions.remove(s.id)
+        for key in s.leased:
+            held = self._leases.get(key)
+            if held is not None and held[0].lease_owner == s.id:
+                self._end_lease(key, used=False)
+        s.memory.close()
+        log.info("session %s closed", s.id[:8])
 
     def reap_sessions(self) -> list[SessionId]:
-        """Close sessions whose lease ran out and expire prefetch pins; call about once a second."""
-        raise NotImplementedError
+        """Close sessions whose lease ran out and end expired prefetch leases; call about once a second."""
+        now = self.clock.now()
+        dead = self._sessions.expired(now)
+        for s in dead:
+            log.warning("session %s (%s) missed its lease; releasing it", s.id[:8], s.client_name)
+            self._close(s)
+        for key, (e, _) in list(self._leases.items()):
+            if e.lease_until <= now:
+                self._end_lease(key, used=False)
+        return [s.id for s in dead]
+
+    def _end_lease(self, key: BlockKey, used: bool) -> None:
+        e, staged = self._leases.pop(key)
+        if staged:
+            self.stats.bump(e.namespace, "prefetch_used" if used else "prefetch_wasted")
+        e.lease_until = 0.0
+        e.lease_owner = ""
+
+    # --- validation
+    def _session(self, session_id: str, namespace_id: str) -> Session:
+        s = self._sessions.get(session_id)
+        if namespace_id and namespace_id != s.namespace:
+            raise CacheError(ErrorCode.PERMISSION_DENIED,
+                             f"session {session_id[:8]} opened namespace {s.namespace}, not {namespace_id}")
+        return s
+
+    def _check_hashes(self, hashes: Sequence[bytes]) -> None:
+        if len(hashes) > self.config.max_batch_blocks:
+            raise CacheError(ErrorCode.RESOURCE_EXHAUSTED,
+                             f"batch of {len(hashes)} blocks exceeds max_batch_blocks = {self.config.max_batch_blocks}")
+        for i, h in enumerate(hashes):
+            if len(h) != HASH_BYTES:
+                raise CacheError(ErrorCode.INVALID_ARGUMENT, f"hash #{i} has {len(h)} bytes, expected {HASH_BYTES}")
+
+    def _check_refs(self, s: Session, refs: Sequence[tuple[bytes, int]]) -> None:
+        self._check_hashes([h for h, _ in refs])
+        n = s.pool.num_blocks
+        ids = [b for _, b in refs]
+        for i, b in enumerate(ids):
+            if not 0 <= b < n:
+                raise CacheError(ErrorCode.INVALID_ARGUMENT, f"block_id {b} (#{i}) is outside the pool's {n} blocks")
+        if len(set(ids)) != len(ids):
+            raise CacheError(ErrorCode.INVALID_ARGUMENT, "a block_id appears twice in one batch")
 
     # --- data
-    def lookup(self, session_id: SessionId, hashes: Sequence[bytes]) -> list[Tier]:
-        raise NotImplementedError
+    def lookup(self, session_id: SessionId, hashes: Sequence[bytes], namespace_id: str = "") -> list[Tier]:
+        s = self._session(session_id, namespace_id)
+        self._check_hashes(hashes)
+        tiers: list[Tier] = []
+        for h in hashes:
+            e = self._t.index.get(BlockKey(s.namespace, BlockHash(h)))
+            if e is None or e.tier == Tier.NONE:
+                break
+            tiers.append(e.tier)
+        return tiers
 
-    async def store(self, session_id: SessionId, refs: Sequence[tuple[bytes, int]], ttl_seconds: float) -> list[StoreResult]:
-        raise NotImplementedError
+    async def store(self, session_id: SessionId, refs: Sequence[tuple[bytes, int]], ttl_seconds: float,
+                    namespace_id: str = "") -> list[StoreResult]:
+        t0 = time.perf_counter()
+        s = self._session(session_id, namespace_id)
+        self._check_refs(s, refs)
+        t = self._t
+        ttl = t.retention.clamp_ttl(ttl_seconds)
+        now = self.clock.now()
+        results: list[StoreResult | None] = [None] * len(refs)
+        new: list[tuple[int, Entry, int]] = []  # (position, entry, engine block id)
+        touched: list[Entry] = []
+        for i, (h, b) in enumerate(refs):
+            key = BlockKey(s.namespace, BlockHash(h))
+            e = t.index.get_any(key)
+            if e is not None:
+                self.stats.bump(s.namespace, "store_hits")
+                results[i] = await self._retain_one(e, ttl, now, StoreStatus.ALREADY_STORED) if e.ready \
+                    else StoreResult(StoreStatus.ALREADY_STORED)
+                touched.append(e)
+                continue
+            e = Entry(key, s.block_bytes, 0, now, pins=1, ready=False)
+            t.index.add(e)
+            new.append((i, e, b))
+        t.host.touch(touched)
+        if t.disk is not None:
+            t.disk.touch(touched)
+        if new:
+            await self._store_new(s, new, ttl, now, results)
+        self._store_latency.observe(time.perf_counter() - t0)
+        return [r if r is not None else StoreResult(StoreStatus.FAILED, message="internal error") for r in results]
 
-    async def load(self, session_id: SessionId, refs: Sequence[tuple[bytes, int]]) -> list[LoadResult]:
-        raise NotImplementedError
+    async def _store_new(self, s: Session, new: list[tuple[int, Entry, int]], ttl: float, now: float,
+                         results: list[StoreResult | None]) -> None:
+        t = self._t
+        size = s.block_bytes
+        # head first: when only part of the chain fits, keep its prefix
+        fit = min(len(new), t.evictable_host_bytes(now) // size)
+        if fit and not await t.make_host_room(fit * size, now):
+            fit = 0
+        for i, e, _ in new[fit:]:
+            t.index.remove(e)
+            results[i] = StoreResult(StoreStatus.NOT_STORED, message="host tier full of pinned blocks")
+        new = new[:fit]
+        if not new:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            rows, sums = await loop.run_in_executor(self._copy_pool, _gather_with_checksums, s.memory, [b for _, _, b in new])
+        except BaseException:
+            t.host.unreserve(fit * size)
+            for _, e, _ in new:
+                t.index.remove(e)
+            raise
+        entries = [e for _, e, _ in new]
+        for (_, e, _), c in zip(new, sums):
+            e.checksum = c
+            e.ready = True
+            e.pins -= 1
+        t.host.add(entries, [rows[k] for k in range(len(entries))], reserved=True)
+        for i, e, _ in new:
+            self.stats.bump(s.namespace, "stores")
+            results[i] = await self._retain_one(e, ttl, now, StoreStatus.STORED) if ttl else StoreResult(StoreStatus.STORED)
 
-    async def prefetch(self, session_id: SessionId, hashes: Sequence[bytes]) -> list[PrefetchStatus]:
-        raise NotImplementedError
+    async def _retain_one(self, e: Entry, ttl: float, now: float, status: StoreStatus) -> StoreResult:
+        if not ttl:
+            return StoreResult(status, deadline=e.deadline if e.deadline > now else 0.0)
+        deadline = self._t.retention.extend(e, ttl, now)
+        if deadline is None:
+            self.stats.bump(e.namespace, "retain_cap_refusals")
+            return StoreResult(StoreStatus.STORED_NOT_RETAINED if status == StoreStatus.STORED else status,
+                               message="retained-bytes cap of the namespace reached; stored without retention")
+        self._t.mark_retained(e)
+        await self._t.persist_deadline(e)
+        return StoreResult(status, deadline=deadline)
 
-    def retain(self, session_id: SessionId, hashes: Sequence[bytes], ttl_seconds: float) -> list[float]:
-        raise NotImplementedError
+    async def load(self, session_id: SessionId, refs: Sequence[tuple[bytes, int]], namespace_id: str = "") -> list[LoadResult]:
+        t0 = time.perf_counter()
+        s = self._session(session_id, namespace_id)
+        self._check_refs(s, refs)
+        t = self._t
+        results: list[LoadResult | None] = [None] * len(refs)
+        pinned: list[Entry] = []
+        found: list[tuple[int, int, Entry]] = []  # (position, engine block id, entry)
+        for i, (h, b) in enumerate(refs):
+            e = t.index.get(BlockKey(s.namespace, BlockHash(h)))
+            if e is None or e.tier == Tier.NONE:
+                self.stats.bump(s.namespace, "load_misses")
+                results[i] = LoadResult(LoadStatus.MISSING)
+                continue
+            e.pins += 1
+            pinned.append(e)
+            found.append((i, b, e))
+        try:
+            srcs, ids, served = await self._collect_bytes(s, found, results)
+            if srcs:
+                rows = torch.stack(srcs)
+                await asyncio.get_running_loop().run_in_executor(self._copy_pool, s.memory.scatter, ids, rows)
+            for (i, _, e), tier in served:
+                e.reuse += 1
+                self.stats.bump(s.namespace, "loads_host" if tier == Tier.HOST else "loads_disk")
+                if e.key in self._leases and e.lease_owner == s.id:
+                    self._end_lease(e.key, used=True)
+                results[i] = LoadResult(LoadStatus.LOADED, tier)
+            chain = [e for (_, _, e), _ in served]
+            t.host.touch(chain)
+            if t.disk is not None:
+                t.disk.touch(chain)
+        finally:
+            for e in pinned:
+                e.pins -= 1
+        self._load_latency.observe(time.perf_counter() - t0)
+        return [r if r is not None else LoadResult(LoadStatus.FAILED, message="internal error") for r in results]
+
+    async def _collect_bytes(self, s: Session, found: list[tuple[int, int, Entry]], results: list[LoadResult | None]):
+        """Source buffers for found blocks: memory right away, disk blocks read (and verified) in parallel."""
+        t = self._t
+        on_disk = [(i, b, e) for i, b, e in found if e.memory_buf() is None]
+        reads = await asyncio.gather(*(t.read_from_disk(e) for _, _, e in on_disk), return_exceptions=True)
+        read_of = {id(e): r for (_, _, e), r in zip(on_disk, reads)}
+        srcs: list[torch.Tensor] = []
+        ids: list[int] = []
+        served: list[tuple[tuple[int, int, Entry], Tier]] = []
+        for item in found:
+            i, b, e = item
+            mem = e.memory_buf()
+            if id(e) in read_of:
+                r = read_of[id(e)]
+                if isinstance(r, BaseException):
+                    if not isinstance(r, (BlockIOError, OSError)):
+                        raise r
+                    self.stats.bump(s.namespace, "load_failures")
+                    results[i] = LoadResult(LoadStatus.FAILED, Tier.DISK, message=f"disk block discarded: {r}")
+                    continue
+                if not t.onboard(e, r):
+                    self._later(t.onboard_evicting(e, r))
+                srcs.append(r)
+                served.append((item, Tier.DISK))
+            elif mem is not None:
+                srcs.append(mem)
+                served.append((item, Tier.HOST))
+            ids.append(b)
+        return srcs, ids, served
+
+    async def prefetch(self, session_id: SessionId, hashes: Sequence[bytes], namespace_id: str = "") -> list[PrefetchStatus]:
+        s = self._session(session_id, namespace_id)
+        self._check_hashes(hashes)
+        t = self._t
+        now = self.clock.now()
+        out: list[PrefetchStatus] = []
+        to_read: list[tuple[int, Entry]] = []
+        for h in hashes:
+            e = t.index.get(BlockKey(s.namespace, BlockHash(h)))
+            if e is None or e.tier == Tier.NONE:
+                out.append(PrefetchStatus.NOT_FOUND)
+            elif e.memory_buf() is not None:
+                self._lease(s, e, now, staged=False)
+                out.append(PrefetchStatus.ALREADY_IN_HOST)
+            else:
+                e.pins += 1
+                to_read.append((len(out), e))
+                out.append(PrefetchStatus.STAGED)
+        try:
+            reads = await asyncio.gather(*(t.read_from_disk(e) for _, e in to_read), return_exceptions=True)
+            for (pos, e), r in zip(to_read, reads):
+                if isinstance(r, BaseException):
+                    out[pos] = PrefetchStatus.FAILED
+                    continue
+                if e.memory_buf() is None and not t.onboard(e, r) and not await t.onboard_evicting(e, r):
+                    out[pos] = PrefetchStatus.FAILED
+                    continue
+                self._lease(s, e, now, staged=True)
+                self.stats.bump(s.namespace, "prefetch_staged")
+        finally:
+            for _, e in to_read:
+                e.pins -= 1
+        return out
+
+    def _later(self, coro) -> None:
+        """Run off the request path (onboarding a disk hit after the Load reply)."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _lease(self, s: Session, e: Entry, now: float, staged: bool) -> None:
+        if e.key in self._leases and self._leases[e.key][0] is e:
+            staged = staged or self._leases[e.key][1]
+        e.lease_until = now + self.config.pin_lease_seconds
+        e.lease_owner = s.id
+        self._leases[e.key] = (e, staged)
+        s.leased.add(e.key)
+
+    async def retain(self, session_id: SessionId, hashes: Sequence[bytes], ttl_seconds: float,
+                     namespace_id: str = "") -> list[float]:
+        s = self._session(session_id, namespace_id)
+        self._check_hashes(hashes)
+        t = self._t
+        ttl = t.retention.clamp_ttl(ttl_seconds)
+        now = self.clock.now()
+        out: list[float] = []
+        for h in hashes:
+            e = t.index.get(BlockKey(s.namespace, BlockHash(h)))
+            if e is None or e.tier == Tier.NONE:
+                out.append(0.0)
+                continue
+            r = await self._retain_one(e, ttl, now, StoreStatus.ALREADY_STORED)
+            out.append(0.0 if r.message else r.deadline)
+        return out
 
     # --- admin
     async def evict(self, *, namespace: NamespaceId | None = None, expired: bool = False, all: bool = False) -> int:
-        raise NotImplementedError
+        if sum((namespace is not None, expired, all)) != 1:
+            raise CacheError(ErrorCode.INVALID_ARGUMENT, "evict needs exactly one of namespace, expired, all")
+        t = self._t
+        now = self.clock.now()
+        if namespace is not None:
+            victims = [e for e in t.index.values() if e.namespace == namespace]
+        elif expired:
+            victims = [e for e in t.index.values() if 0 < e.deadline <= now]
+        else:
+            victims = list(t.index.values())
+        n = 0
+        for e in victims:
+            if e.ready and not e.pinned(now):
+                t.remove(e)
+                self.stats.bump(e.namespace, "evictions_admin")
+                n += 1
+        return n
 
     def sessions(self) -> list[SessionInfo]:
-        raise NotImplementedError
+        now = self.clock.now()
+        return [SessionInfo(s.id, s.namespace, s.client_name, s.pool.kind, s.pool.num_blocks, s.opened_at,
+                            max(0.0, s.lease_until - now), len(s.leased)) for s in self._sessions.all()]
 
     def namespace_stats(self) -> list[dict]:
-        """One dict per namespace: namespace_id, model_id, tp_rank, tp_size, block_bytes, host_blocks,
-        host_bytes, disk_blocks, disk_bytes, retained_bytes, retained_cap_bytes, sessions, counters (Counters)."""
-        raise NotImplementedError
+        t = self._t
+        now = self.clock.now()
+        rows: dict[str, dict] = {}
+        for ns_id, rec in self.namespaces.records.items():
+            spec = rec.spec
+            rows[ns_id] = dict(namespace_id=ns_id, model_id=spec.model_id if spec else "",
+                               tp_rank=spec.tp_rank if spec else 0, tp_size=spec.tp_size if spec else 0,
+                               block_bytes=rec.block_bytes, host_blocks=0, host_bytes=0, disk_blocks=0, disk_bytes=0,
+                               retained_bytes=0, retained_cap_bytes=self.config.retained_cap_bytes, sessions=0,
+                               counters=self.stats.ns(ns_id))
+        for e in t.index.values():
+            row = rows.setdefault(e.namespace, dict(
+                namespace_id=e.namespace, model_id="", tp_rank=0, tp_size=0, block_bytes=e.size, host_blocks=0,
+                host_bytes=0, disk_blocks=0, disk_bytes=0, retained_bytes=0,
+                retained_cap_bytes=self.config.retained_cap_bytes, sessions=0, counters=self.stats.ns(e.namespace)))
+            if e.host_buf is not None:
+                row["host_blocks"] += 1
+                row["host_bytes"] += e.size
+            if e.disk == DiskState.ON_DISK:
+                row["disk_blocks"] += 1
+                row["disk_bytes"] += e.size
+            if e.deadline > now:
+                row["retained_bytes"] += e.size
+        for s in self._sessions.all():
+            if s.namespace in rows:
+                rows[s.namespace]["sessions"] += 1
+        return list(rows.values())
 
     def tier_stats(self) -> list[dict]:
-        """One dict per tier: name, capacity_bytes, used_bytes, blocks, pinned_blocks, retained_blocks."""
-        raise NotImplementedError
+        t = self._t
+        now = self.clock.now()
+        out = []
+        for tier in (t.host, t.disk):
+            if tier is None:
+                continue
+            entries = list(tier.entries())
+            out.append(dict(name=tier.name, capacity_bytes=tier.capacity_bytes, used_bytes=tier.used_bytes,
+                            blocks=len(entries), pinned_blocks=sum(e.pinned(now) for e in entries),
+                            retained_blocks=sum(e.retained(now) for e in entries)))
+        return out
 
     @property
     def counters(self) -> Counters:
-        raise NotImplementedError
+        return self.stats.total
 
     @property
     def latencies(self) -> list[Histogram]:
-        raise NotImplementedError
+        return [self._store_latency, self._load_latency]
 
     def queue_depths(self) -> dict[str, int]:
-        """write_queue_depth, write_queue_capacity, read_queue_depth."""
-        raise NotImplementedError
+        t = self._t
+        return dict(write_queue_depth=t.writes.depth, write_queue_capacity=t.writes.capacity,
+                    read_queue_depth=t.reads_in_flight)

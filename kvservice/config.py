@@ -7,7 +7,15 @@ dataclass; a bad value fails at start with a message that names the setting.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ipaddress
+import json
+import math
+import os
+import re
+import shutil
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -52,3 +60,330 @@ class Config:
         if self.admission_gate.startswith("min-reuse="):
             return int(self.admission_gate.split("=", 1)[1])
         return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and validation
+#
+# The TOML file is flat: keys are the field names above, e.g.
+#     socket_path = "/run/kvservice/kvservice.sock"
+#     host_capacity_bytes = "16GiB"
+#     disk_path = "/var/lib/kvservice"
+#     disk_capacity_bytes = "500GB"
+#     admission_gate = "min-reuse=2"
+# Byte sizes (`*_bytes`) take an int or a string with a unit: B, KB/MB/GB/TB (powers of 1000),
+# KiB/MiB/GiB/TiB (powers of 1024). Durations (`*_seconds`) take a number or a string with
+# s/m/h/d. Environment variables are KVSERVICE_<FIELD>, e.g. KVSERVICE_HOST_CAPACITY_BYTES=8GiB;
+# KVSERVICE_CONFIG names the TOML file when no --config is given. Any other KVSERVICE_ variable
+# is an error, so a typo cannot silently leave a default in place.
+
+
+ENV_PREFIX = "KVSERVICE_"
+ENV_CONFIG_FILE = "KVSERVICE_CONFIG"
+
+ADMISSION_GATES = ("all", "retained-only", "min-reuse=K")
+WRITE_QUEUE_POLICIES = ("wait", "shed")
+IO_BACKENDS = ("auto", "posix", "kvikio")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_NUMBER_UNIT = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
+_MIN_REUSE = re.compile(r"^min-reuse=([0-9]+)$")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+class ConfigError(Exception):
+    """A setting the daemon refuses to start with; the message names the setting."""
+
+
+_FIELDS = {f.name: f for f in fields(Config)}
+
+
+def _field_type(name: str) -> type:
+    # `from __future__ import annotations` leaves the annotations as strings
+    return {"str": str, "bool": bool, "int": int, "float": float}[str(_FIELDS[name].type)]
+
+
+def parse_bytes(value: object) -> int:
+    """4GiB -> 4294967296; ints pass through. Raises ValueError on anything else."""
+    if isinstance(value, bool):
+        raise ValueError("expected a byte size, got a boolean")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        s = value.strip()
+        if s.startswith("-"):
+            return -parse_bytes(s[1:])
+        m = _NUMBER_UNIT.match(s)
+        if m and m.group(2).lower() in _SIZE_UNITS:
+            n = float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+            if n != int(n):
+                raise ValueError(f"{value!r} is not a whole number of bytes")
+            return int(n)
+    raise ValueError(f"{value!r} is not a byte size (e.g. 4294967296, \"4GiB\", \"512MiB\", \"100GB\")")
+
+
+def parse_seconds(value: object) -> float:
+    if isinstance(value, bool):
+        raise ValueError("expected a duration, got a boolean")
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        s = value.strip()
+        if s.startswith("-"):
+            return -parse_seconds(s[1:])
+        m = _NUMBER_UNIT.match(s)
+        if m and m.group(2).lower() in _DURATION_UNITS:
+            return float(m.group(1)) * _DURATION_UNITS[m.group(2).lower()]
+    raise ValueError(f"{value!r} is not a duration in seconds (e.g. 30, \"90s\", \"2h\", \"7d\")")
+
+
+def _coerce(name: str, value: object) -> object:
+    """Turn a TOML value, an environment string or a flag value into the field's type."""
+    kind = _field_type(name)
+    if name.endswith("_bytes"):
+        return parse_bytes(value)
+    if name.endswith("_seconds"):
+        return parse_seconds(value)
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+            return value.strip().lower() in _TRUE
+        raise ValueError(f"{value!r} is not a boolean (true/false)")
+    if kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str) and re.fullmatch(r"\s*-?[0-9]+\s*", value):
+            return int(value)
+        raise ValueError(f"{value!r} is not an integer")
+    if kind is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ValueError(f"{value!r} is not a number")
+    if not isinstance(value, str):
+        raise ValueError(f"{value!r} is not a string")
+    return value
+
+
+def _read_toml(path: str) -> dict[str, object]:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"config file {path}: cannot read it: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path}: not valid TOML: {e}") from None
+    for key, value in data.items():
+        if isinstance(value, dict):
+            raise ConfigError(f"{key}: unknown table [{key}] in {path}; the config file is flat (field = value)")
+    return data
+
+
+def load_config(path: str | None, env: Mapping[str, str], overrides: Mapping[str, object]) -> Config:
+    """defaults < TOML file < KVSERVICE_* environment < overrides (flags; None values are ignored).
+
+    Raises ConfigError naming the first bad setting.
+    """
+    layers: list[tuple[str, Mapping[str, object], str]] = []
+    path = path or env.get(ENV_CONFIG_FILE) or None
+    if path:
+        layers.append(("", _read_toml(path), f"in {path}"))
+    env_values: dict[str, object] = {}
+    for var, value in env.items():
+        if not var.startswith(ENV_PREFIX) or var == ENV_CONFIG_FILE:
+            continue
+        name = var[len(ENV_PREFIX):].lower()
+        if name not in _FIELDS:
+            raise ConfigError(
+                f"{name}: unknown setting (environment variable {var}); KVSERVICE_* variables must name a "
+                f"config field, e.g. KVSERVICE_HOST_CAPACITY_BYTES"
+            )
+        env_values[name] = value
+    layers.append((ENV_PREFIX, env_values, "from the environment"))
+    layers.append(("", {k: v for k, v in overrides.items() if v is not None}, "from the command line"))
+
+    values: dict[str, object] = {}
+    sources: dict[str, str] = {}
+    for prefix, layer, where in layers:
+        for name, raw in layer.items():
+            if name not in _FIELDS:
+                raise ConfigError(f"{name}: unknown setting {where}")
+            source = f"{prefix}{name.upper()} {where}" if prefix else where
+            try:
+                values[name] = _coerce(name, raw)
+            except ValueError as e:
+                raise ConfigError(f"{name}: {e} ({source})") from None
+            sources[name] = source
+    for name in ("socket_path", "disk_path"):
+        if values.get(name):
+            values[name] = os.path.abspath(os.path.expanduser(str(values[name])))
+    cfg = replace(Config(), **values)
+    try:
+        validate_config(cfg)
+    except ConfigError as e:
+        name = str(e).split(":", 1)[0]
+        raise ConfigError(f"{e} ({sources[name]})" if name in sources else str(e)) from None
+    return cfg
+
+
+def parse_host_port(address: str) -> tuple[str, int]:
+    """"127.0.0.1:50051" / "[::1]:50051" / "localhost:0" -> (host, port). Raises ValueError."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{address!r} is not host:port (e.g. \"127.0.0.1:50051\", \"[::1]:50051\")")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve anywhere
+
+
+def _nearest_existing(path: str) -> str:
+    p = path
+    while not os.path.lexists(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    return p
+
+
+def _check_dir_creatable(name: str, path: str) -> None:
+    """The directory exists and is writable, or the nearest existing ancestor would let us create it."""
+    existing = _nearest_existing(path)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"{name}: cannot create directory {path}: {existing} exists and is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == path else f"cannot be created: {existing} is not writable"
+        raise ConfigError(f"{name}: directory {path} {what}")
+
+
+def _bytes_under(path: str) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def validate_config(cfg: Config) -> None:
+    """Raise ConfigError for the first setting the daemon cannot run with."""
+
+    def one_of(name: str, allowed: tuple[str, ...]) -> None:
+        if getattr(cfg, name) not in allowed:
+            raise ConfigError(f"{name}: {getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
+
+    def at_least(name: str, low: float) -> None:
+        if getattr(cfg, name) < low:
+            raise ConfigError(f"{name}: must be at least {low:g}, got {getattr(cfg, name)}")
+
+    def positive(name: str) -> None:
+        v = getattr(cfg, name)
+        if not math.isfinite(v) or v <= 0:
+            raise ConfigError(f"{name}: must be a positive number of seconds, got {v}")
+
+    for name in _FIELDS:
+        if name.endswith("_bytes") and getattr(cfg, name) < 0:
+            raise ConfigError(f"{name}: must not be negative, got {getattr(cfg, name)}")
+    at_least("host_capacity_bytes", 1)
+    m = _MIN_REUSE.match(cfg.admission_gate)
+    if cfg.admission_gate not in ("all", "retained-only") and not (m and int(m.group(1)) >= 1):
+        raise ConfigError(
+            f"admission_gate: {cfg.admission_gate!r} is not one of {', '.join(ADMISSION_GATES)} (K an integer >= 1)"
+        )
+    one_of("write_queue_policy", WRITE_QUEUE_POLICIES)
+    one_of("io_backend", IO_BACKENDS)
+    one_of("log_level", LOG_LEVELS)
+    for name in ("writer_threads", "reader_threads", "write_queue_depth", "max_batch_blocks", "max_sessions"):
+        at_least(name, 1)
+    for name in ("lease_seconds", "pin_lease_seconds", "max_ttl_seconds"):
+        positive(name)
+
+    if not cfg.socket_path:
+        raise ConfigError("socket_path: must be set (the Unix socket engines connect to)")
+    if len(os.fsencode(cfg.socket_path)) > UNIX_PATH_MAX:
+        raise ConfigError(f"socket_path: {cfg.socket_path} is longer than {UNIX_PATH_MAX} bytes (a Unix socket limit)")
+    if os.path.isdir(cfg.socket_path):
+        raise ConfigError(f"socket_path: {cfg.socket_path} is a directory")
+    _check_dir_creatable("socket_path", os.path.dirname(cfg.socket_path) or ".")
+
+    for name in ("tcp_address", "metrics_address"):
+        address = getattr(cfg, name)
+        if address:
+            try:
+                host, _port = parse_host_port(address)
+            except ValueError as e:
+                raise ConfigError(f"{name}: {e}") from None
+            if name == "tcp_address" and not is_loopback(host) and not cfg.allow_remote_tcp:
+                raise ConfigError(
+                    f"tcp_address: {address} is not a loopback address; the data plane is unauthenticated, "
+                    f"so listening beyond this host needs allow_remote_tcp = true"
+                )
+
+    if cfg.disk_capacity_bytes > 0 and not cfg.disk_path:
+        raise ConfigError("disk_capacity_bytes: is set but disk_path is empty; set disk_path or drop the capacity")
+    if cfg.disk_path:
+        if cfg.disk_capacity_bytes == 0:
+            raise ConfigError("disk_capacity_bytes: disk_path is set but the capacity is 0; give a size such as 100GiB")
+        _check_dir_creatable("disk_path", cfg.disk_path)
+        existing = _nearest_existing(cfg.disk_path)
+        usable = shutil.disk_usage(existing).free
+        if os.path.isdir(cfg.disk_path):
+            usable += _bytes_under(cfg.disk_path)  # our own blocks from an earlier run are reusable space
+        if cfg.disk_capacity_bytes > usable:
+            raise ConfigError(
+                f"disk_capacity_bytes: {format_bytes(cfg.disk_capacity_bytes)} is more than the "
+                f"{format_bytes(usable)} available for {cfg.disk_path} (free space plus existing kvservice data)"
+            )
+
+
+def format_bytes(n: int) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.4g} {unit}"
+    return f"{n} B"
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return json.dumps(value, ensure_ascii=False)  # a JSON string is a valid TOML basic string
+
+
+def config_to_toml(cfg: Config) -> str:
+    """The effective configuration as flat TOML that load_config reads back; admin_token is masked."""
+    lines = ["# kvservice effective configuration"]
+    for name in _FIELDS:
+        value = getattr(cfg, name)
+        if name == "admin_token" and value:
+            value = "***"
+        line = f"{name} = {_toml_value(value)}"
+        if name.endswith("_bytes") and value >= 1 << 10:
+            line += f"  # {format_bytes(value)}"
+        lines.append(line)
+    return "\n".join(lines) + "\n"

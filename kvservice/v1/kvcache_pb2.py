@@ -25,21 +25,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvservice/v1/kvcache.proto\x12\x0ckvservice.v1\"\x8f\x01\n\tNamespace\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x10\n\x08kv_dtype\x18\x02 \x01(\t\x12\x18\n\x10tokens_per_block\x18\x03 \x01(\r\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x0f\n\x07tp_rank\x18\x05 \x01(\r\x12\x0f\n\x07tp_size\x18\x06 \x01(\r\x12\x12\n\ncache_salt\x18\x07 \x01(\t\"G\n\nPoolRegion\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x14\n\x0c\x62lock_stride\x18\x02 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\"\'\n\tShmHandle\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\"n\n\rCudaIpcHandle\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x14\n\x0c\x64\x65vice_index\x18\x02 \x01(\x05\x12\x13\n\x0b\x64\x65vice_uuid\x18\x03 \x01(\t\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x05 \x01(\x0c\"\xaf\x01\n\x0fPoolDescription\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12)\n\x07regions\x18\x02 \x03(\x0b\x32\x18.kvservice.v1.PoolRegion\x12&\n\x03shm\x18\x03 \x01(\x0b\x32\x17.kvservice.v1.ShmHandleH\x00\x12+\n\x04\x63uda\x18\x04 \x01(\x0b\x32\x1b.kvservice.v1.CudaIpcHandleH\x00\x42\x08\n\x06handle\"\x97\x01\n\x12OpenSessionRequest\x12*\n\tnamespace\x18\x01 \x01(\x0b\x32\x17.kvservice.v1.Namespace\x12+\n\x04pool\x18\x02 \x01(\x0b\x32\x1d.kvservice.v1.PoolDescription\x12\x13\n\x0bhash_canary\x18\x03 \x01(\x0c\x12\x13\n\x0b\x63lient_name\x18\x04 \x01(\t\"\x82\x01\n\x10OpenSessionReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\t\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12\x18\n\x10max_batch_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\r\"&\n\x10HeartbeatRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\'\n\x0eHeartbeatReply\x12\x15\n\rlease_seconds\x18\x01 \x01(\x01\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x13\n\x11\x43loseSessionReply\"3\n\rLookupRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\"G\n\x0bLookupReply\x12\x15\n\rprefix_blocks\x18\x01 \x01(\r\x12!\n\x05tiers\x18\x02 \x03(\x0e\x32\x12.kvservice.v1.Tier\"*\n\x08\x42lockRef\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\r\"q\n\x0cStoreRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x16.kvservice.v1.BlockRef\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x01\x12\x10\n\x08priority\x18\x04 \x01(\x05\"[\n\x0bStoreResult\x12)\n\x06status\x18\x01 \x01(\x0e\x32\x19.kvservice.v1.StoreStatus\x12\x10\n\x08\x64\x65\x61\x64line\x18\x02 \x01(\x01\x12\x0f\n\x07message\x18\x03 \x01(\t\"8\n\nStoreReply\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.kvservice.v1.StoreResult\"I\n\x0bLoadRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x16.kvservice.v1.BlockRef\"i\n\nLoadResult\x12(\n\x06status\x18\x01 \x01(\x0e\x32\x18.kvservice.v1.LoadStatus\x12 \n\x04tier\x18\x02 \x01(\x0e\x32\x12.kvservice.v1.Tier\x12\x0f\n\x07message\x18\x03 \x01(\t\"6\n\tLoadReply\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.kvservice.v1.LoadResult\"5\n\x0fPrefetchRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\">\n\rPrefetchReply\x12-\n\x07results\x18\x01 \x03(\x0e\x32\x1c.kvservice.v1.PrefetchStatus\"H\n\rRetainRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x01\" \n\x0bRetainReply\x12\x11\n\tdeadlines\x18\x01 \x03(\x01*H\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_GPU\x10\x01\x12\r\n\tTIER_HOST\x10\x02\x12\r\n\tTIER_DISK\x10\x03*\x86\x01\n\x0bStoreStatus\x12\x1c\n\x18STORE_STATUS_UNSPECIFIED\x10\x00\x12\n\n\x06STORED\x10\x01\x12\x12\n\x0e\x41LREADY_STORED\x10\x02\x12\x17\n\x13STORED_NOT_RETAINED\x10\x03\x12\x10\n\x0cSTORE_FAILED\x10\x04\x12\x0e\n\nNOT_STORED\x10\x05*S\n\nLoadStatus\x12\x1b\n\x17LOAD_STATUS_UNSPECIFIED\x10\x00\x12\n\n\x06LOADED\x10\x01\x12\x0b\n\x07MISSING\x10\x02\x12\x0f\n\x0bLOAD_FAILED\x10\x03*v\n\x0ePrefetchStatus\x12\x1f\n\x1bPREFETCH_STATUS_UNSPECIFIED\x10\x00\x12\n\n\x06STAGED\x10\x01\x12\x13\n\x0f\x41LREADY_IN_HOST\x10\x02\x12\r\n\tNOT_FOUND\x10\x03\x12\x13\n\x0fPREFETCH_FAILED\x10\x04\x32\xc0\x04\n\x07KVCache\x12O\n\x0bOpenSession\x12 .kvservice.v1.OpenSessionRequest\x1a\x1e.kvservice.v1.OpenSessionReply\x12I\n\tHeartbeat\x12\x1e.kvservice.v1.HeartbeatRequest\x1a\x1c.kvservice.v1.HeartbeatReply\x12R\n\x0c\x43loseSession\x12!.kvservice.v1.CloseSessionRequest\x1a\x1f.kvservice.v1.CloseSessionReply\x12@\n\x06Lookup\x12\x1b.kvservice.v1.LookupRequest\x1a\x19.kvservice.v1.LookupReply\x12=\n\x05Store\x12\x1a.kvservice.v1.StoreRequest\x1a\x18.kvservice.v1.StoreReply\x12:\n\x04Load\x12\x19.kvservice.v1.LoadRequest\x1a\x17.kvservice.v1.LoadReply\x12\x46\n\x08Prefetch\x12\x1d.kvservice.v1.PrefetchRequest\x1a\x1b.kvservice.v1.PrefetchReply\x12@\n\x06Retain\x12\x1b.kvservice.v1.RetainRequest\x1a\x19.kvservice.v1.RetainReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvservice/v1/kvcache.proto\x12\x0ckvservice.v1\"\x8f\x01\n\tNamespace\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x10\n\x08kv_dtype\x18\x02 \x01(\t\x12\x18\n\x10tokens_per_block\x18\x03 \x01(\r\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x0f\n\x07tp_rank\x18\x05 \x01(\r\x12\x0f\n\x07tp_size\x18\x06 \x01(\r\x12\x12\n\ncache_salt\x18\x07 \x01(\t\"G\n\nPoolRegion\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x14\n\x0c\x62lock_stride\x18\x02 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\"\'\n\tShmHandle\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\"n\n\rCudaIpcHandle\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x14\n\x0c\x64\x65vice_index\x18\x02 \x01(\x05\x12\x13\n\x0b\x64\x65vice_uuid\x18\x03 \x01(\t\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x05 \x01(\x0c\"\xaf\x01\n\x0fPoolDescription\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12)\n\x07regions\x18\x02 \x03(\x0b\x32\x18.kvservice.v1.PoolRegion\x12&\n\x03shm\x18\x03 \x01(\x0b\x32\x17.kvservice.v1.ShmHandleH\x00\x12+\n\x04\x63uda\x18\x04 \x01(\x0b\x32\x1b.kvservice.v1.CudaIpcHandleH\x00\x42\x08\n\x06handle\"\x97\x01\n\x12OpenSessionRequest\x12*\n\tnamespace\x18\x01 \x01(\x0b\x32\x17.kvservice.v1.Namespace\x12+\n\x04pool\x18\x02 \x01(\x0b\x32\x1d.kvservice.v1.PoolDescription\x12\x13\n\x0bhash_canary\x18\x03 \x01(\x0c\x12\x13\n\x0b\x63lient_name\x18\x04 \x01(\t\"\x82\x01\n\x10OpenSessionReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\t\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12\x18\n\x10max_batch_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\r\"&\n\x10HeartbeatRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\'\n\x0eHeartbeatReply\x12\x15\n\rlease_seconds\x18\x01 \x01(\x01\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x13\n\x11\x43loseSessionReply\"I\n\rLookupRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\x12\x14\n\x0cnamespace_id\x18\x03 \x01(\t\"G\n\x0bLookupReply\x12\x15\n\rprefix_blocks\x18\x01 \x01(\r\x12!\n\x05tiers\x18\x02 \x03(\x0e\x32\x12.kvservice.v1.Tier\"*\n\x08\x42lockRef\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\r\"\x87\x01\n\x0cStoreRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x16.kvservice.v1.BlockRef\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x01\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x14\n\x0cnamespace_id\x18\x05 \x01(\t\"[\n\x0bStoreResult\x12)\n\x06status\x18\x01 \x01(\x0e\x32\x19.kvservice.v1.StoreStatus\x12\x10\n\x08\x64\x65\x61\x64line\x18\x02 \x01(\x01\x12\x0f\n\x07message\x18\x03 \x01(\t\"8\n\nStoreReply\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.kvservice.v1.StoreResult\"_\n\x0bLoadRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x16.kvservice.v1.BlockRef\x12\x14\n\x0cnamespace_id\x18\x03 \x01(\t\"i\n\nLoadResult\x12(\n\x06status\x18\x01 \x01(\x0e\x32\x18.kvservice.v1.LoadStatus\x12 \n\x04tier\x18\x02 \x01(\x0e\x32\x12.kvservice.v1.Tier\x12\x0f\n\x07message\x18\x03 \x01(\t\"6\n\tLoadReply\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.kvservice.v1.LoadResult\"K\n\x0fPrefetchRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\x12\x14\n\x0cnamespace_id\x18\x03 \x01(\t\">\n\rPrefetchReply\x12-\n\x07results\x18\x01 \x03(\x0e\x32\x1c.kvservice.v1.PrefetchStatus\"^\n\rRetainRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cnamespace_id\x18\x04 \x01(\t\" \n\x0bRetainReply\x12\x11\n\tdeadlines\x18\x01 \x03(\x01*H\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_GPU\x10\x01\x12\r\n\tTIER_HOST\x10\x02\x12\r\n\tTIER_DISK\x10\x03*\x86\x01\n\x0bStoreStatus\x12\x1c\n\x18STORE_STATUS_UNSPECIFIED\x10\x00\x12\n\n\x06STORED\x10\x01\x12\x12\n\x0e\x41LREADY_STORED\x10\x02\x12\x17\n\x13STORED_NOT_RETAINED\x10\x03\x12\x10\n\x0cSTORE_FAILED\x10\x04\x12\x0e\n\nNOT_STORED\x10\x05*S\n\nLoadStatus\x12\x1b\n\x17LOAD_STATUS_UNSPECIFIED\x10\x00\x12\n\n\x06LOADED\x10\x01\x12\x0b\n\x07MISSING\x10\x02\x12\x0f\n\x0bLOAD_FAILED\x10\x03*v\n\x0ePrefetchStatus\x12\x1f\n\x1bPREFETCH_STATUS_UNSPECIFIED\x10\x00\x12\n\n\x06STAGED\x10\x01\x12\x13\n\x0f\x41LREADY_IN_HOST\x10\x02\x12\r\n\tNOT_FOUND\x10\x03\x12\x13\n\x0fPREFETCH_FAILED\x10\x04\x32\xc0\x04\n\x07KVCache\x12O\n\x0bOpenSession\x12 .kvservice.v1.OpenSessionRequest\x1a\x1e.kvservice.v1.OpenSessionReply\x12I\n\tHeartbeat\x12\x1e.kvservice.v1.HeartbeatRequest\x1a\x1c.kvservice.v1.HeartbeatReply\x12R\n\x0c\x43loseSession\x12!.kvservice.v1.CloseSessionRequest\x1a\x1f.kvservice.v1.CloseSessionReply\x12@\n\x06Lookup\x12\x1b.kvservice.v1.LookupRequest\x1a\x19.kvservice.v1.LookupReply\x12=\n\x05Store\x12\x1a.kvservice.v1.StoreRequest\x1a\x18.kvservice.v1.StoreReply\x12:\n\x04Load\x12\x19.kvservice.v1.LoadRequest\x1a\x17.kvservice.v1.LoadReply\x12\x46\n\x08Prefetch\x12\x1d.kvservice.v1.PrefetchRequest\x1a\x1b.kvservice.v1.PrefetchReply\x12@\n\x06Retain\x12\x1b.kvservice.v1.RetainRequest\x1a\x19.kvservice.v1.RetainReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvservice.v1.kvcache_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=1927
-  _globals['_TIER']._serialized_end=1999
-  _globals['_STORESTATUS']._serialized_start=2002
-  _globals['_STORESTATUS']._serialized_end=2136
-  _globals['_LOADSTATUS']._serialized_start=2138
-  _globals['_LOADSTATUS']._serialized_end=2221
-  _globals['_PREFETCHSTATUS']._serialized_start=2223
-  _globals['_PREFETCHSTATUS']._serialized_end=2341
+  _globals['_TIER']._serialized_start=2038
+  _globals['_TIER']._serialized_end=2110
+  _globals['_STORESTATUS']._serialized_start=2113
+  _globals['_STORESTATUS']._serialized_end=2247
+  _globals['_LOADSTATUS']._serialized_start=2249
+  _globals['_LOADSTATUS']._serialized_end=2332
+  _globals['_PREFETCHSTATUS']._serialized_start=2334
+  _globals['_PREFETCHSTATUS']._serialized_end=2452
   _globals['_NAMESPACE']._serialized_start=45
   _globals['_NAMESPACE']._serialized_end=188
   _globals['_POOLREGION']._serialized_start=190
@@ -63,31 +63,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CLOSESESSIONREPLY']._serialized_start=1005
   _globals['_CLOSESESSIONREPLY']._serialized_end=1024
   _globals['_LOOKUPREQUEST']._serialized_start=1026
-  _globals['_LOOKUPREQUEST']._serialized_end=1077
-  _globals['_LOOKUPREPLY']._serialized_start=1079
-  _globals['_LOOKUPREPLY']._serialized_end=1150
-  _globals['_BLOCKREF']._serialized_start=1152
-  _globals['_BLOCKREF']._serialized_end=1194
-  _globals['_STOREREQUEST']._serialized_start=1196
-  _globals['_STOREREQUEST']._serialized_end=1309
-  _globals['_STORERESULT']._serialized_start=1311
-  _globals['_STORERESULT']._serialized_end=1402
-  _globals['_STOREREPLY']._serialized_start=1404
-  _globals['_STOREREPLY']._serialized_end=1460
-  _globals['_LOADREQUEST']._serialized_start=1462
-  _globals['_LOADREQUEST']._serialized_end=1535
-  _globals['_LOADRESULT']._serialized_start=1537
-  _globals['_LOADRESULT']._serialized_end=1642
-  _globals['_LOADREPLY']._serialized_start=1644
-  _globals['_LOADREPLY']._serialized_end=1698
-  _globals['_PREFETCHREQUEST']._serialized_start=1700
-  _globals['_PREFETCHREQUEST']._serialized_end=1753
-  _globals['_PREFETCHREPLY']._serialized_start=1755
-  _globals['_PREFETCHREPLY']._serialized_end=1817
-  _globals['_RETAINREQUEST']._serialized_start=1819
-  _globals['_RETAINREQUEST']._serialized_end=1891
-  _globals['_RETAINREPLY']._serialized_start=1893
-  _globals['_RETAINREPLY']._serialized_end=1925
-  _globals['_KVCACHE']._serialized_start=2344
-  _globals['_KVCACHE']._serialized_end=2920
+  _globals['_LOOKUPREQUEST']._serialized_end=1099
+  _globals['_LOOKUPREPLY']._serialized_start=1101
+  _globals['_LOOKUPREPLY']._serialized_end=1172
+  _globals['_BLOCKREF']._serialized_start=1174
+  _globals['_BLOCKREF']._serialized_end=1216
+  _globals['_STOREREQUEST']._serialized_start=1219
+  _globals['_STOREREQUEST']._serialized_end=1354
+  _globals['_STORERESULT']._serialized_start=1356
+  _globals['_STORERESULT']._serialized_end=1447
+  _globals['_STOREREPLY']._serialized_start=1449
+  _globals['_STOREREPLY']._serialized_end=1505
+  _globals['_LOADREQUEST']._serialized_start=1507
+  _globals['_LOADREQUEST']._serialized_end=1602
+  _globals['_LOADRESULT']._serialized_start=1604
+  _globals['_LOADRESULT']._serialized_end=1709
+  _globals['_LOADREPLY']._serialized_start=1711
+  _globals['_LOADREPLY']._serialized_end=1765
+  _globals['_PREFETCHREQUEST']._serialized_start=1767
+  _globals['_PREFETCHREQUEST']._serialized_end=1842
+  _globals['_PREFETCHREPLY']._serialized_start=1844
+  _globals['_PREFETCHREPLY']._serialized_end=1906
+  _globals['_RETAINREQUEST']._serialized_start=1908
+  _globals['_RETAINREQUEST']._serialized_end=2002
+  _globals['_RETAINREPLY']._serialized_start=2004
+  _globals['_RETAINREPLY']._serialized_end=2036
+  _globals['_KVCACHE']._serialized_start=2455
+  _globals['_KVCACHE']._serialized_end=3031
 # @@protoc_insertion_point(module_scope)

@@ -169,12 +169,14 @@ class CloseSessionReply(_message.Message):
     def __init__(self) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("session_id", "hashes")
+    __slots__ = ("session_id", "hashes", "namespace_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, session_id: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    namespace_id: str
+    def __init__(self, session_id: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., namespace_id: _Optional[str] = ...) -> None: ...
 
 class LookupReply(_message.Message):
     __slots__ = ("prefix_blocks", "tiers")
@@ -193,16 +195,18 @@ class BlockRef(_message.Message):
     def __init__(self, hash: _Optional[bytes] = ..., block_id: _Optional[int] = ...) -> None: ...
 
 class StoreRequest(_message.Message):
-    __slots__ = ("session_id", "blocks", "ttl_seconds", "priority")
+    __slots__ = ("session_id", "blocks", "ttl_seconds", "priority", "namespace_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     blocks: _containers.RepeatedCompositeFieldContainer[BlockRef]
     ttl_seconds: float
     priority: int
-    def __init__(self, session_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., ttl_seconds: _Optional[float] = ..., priority: _Optional[int] = ...) -> None: ...
+    namespace_id: str
+    def __init__(self, session_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., ttl_seconds: _Optional[float] = ..., priority: _Optional[int] = ..., namespace_id: _Optional[str] = ...) -> None: ...
 
 class StoreResult(_message.Message):
     __slots__ = ("status", "deadline", "message")
@@ -221,12 +225,14 @@ class StoreReply(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[StoreResult, _Mapping]]] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("session_id", "blocks")
+    __slots__ = ("session_id", "blocks", "namespace_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     blocks: _containers.RepeatedCompositeFieldContainer[BlockRef]
-    def __init__(self, session_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ...) -> None: ...
+    namespace_id: str
+    def __init__(self, session_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., namespace_id: _Optional[str] = ...) -> None: ...
 
 class LoadResult(_message.Message):
     __slots__ = ("status", "tier", "message")
@@ -245,12 +251,14 @@ class LoadReply(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[LoadResult, _Mapping]]] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
-    __slots__ = ("session_id", "hashes")
+    __slots__ = ("session_id", "hashes", "namespace_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, session_id: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    namespace_id: str
+    def __init__(self, session_id: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., namespace_id: _Optional[str] = ...) -> None: ...
 
 class PrefetchReply(_message.Message):
     __slots__ = ("results",)
@@ -259,14 +267,16 @@ class PrefetchReply(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[PrefetchStatus, str]]] = ...) -> None: ...
 
 class RetainRequest(_message.Message):
-    __slots__ = ("session_id", "hashes", "ttl_seconds")
+    __slots__ = ("session_id", "hashes", "ttl_seconds", "namespace_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     ttl_seconds: float
-    def __init__(self, session_id: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+    namespace_id: str
+    def __init__(self, session_id: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., ttl_seconds: _Optional[float] = ..., namespace_id: _Optional[str] = ...) -> None: ...
 
 class RetainReply(_message.Message):
     __slots__ = ("deadlines",)

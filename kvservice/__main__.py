@@ -1,0 +1,7 @@
+"""`python -m kvservice serve ...`"""
+
+import sys
+
+from kvservice.cli import main
+
+sys.exit(main())

@@ -1,0 +1,148 @@
+"""Engine memory: the daemon's mapping of one engine's registered KV pool.
+
+Primitives:
+  gather(block_ids) -> tensor [B, block_bytes]   copy blocks out of the engine pool
+  scatter(block_ids, rows)                        copy rows into the engine pool
+  close()                                         unmap once no copy is in flight
+
+A block's bytes are the concatenation of its row in every region, in region order, so both
+block-contiguous (one region) and layer-first (2 x layers regions) pools work with one copy
+per region per batch. CPU hosts register POSIX shared memory by name; the CUDA IPC
+implementation (GPU hosts) fills the same interface.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import threading
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from kvservice.sessions_api import PoolSpec
+from kvservice.types import CacheError, ErrorCode
+
+SHM_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+SHM_DIR = "/dev/shm"
+
+
+class EngineMemory(Protocol):
+    block_bytes: int
+    num_blocks: int
+
+    def gather(self, block_ids: Sequence[int]) -> torch.Tensor: ...
+
+    def scatter(self, block_ids: Sequence[int], rows: torch.Tensor) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def validate_layout(spec: PoolSpec) -> None:
+    """Every region row of every block must lie inside the allocation."""
+    if spec.num_blocks <= 0:
+        raise CacheError(ErrorCode.INVALID_ARGUMENT, "pool.num_blocks must be > 0")
+    if not spec.regions:
+        raise CacheError(ErrorCode.INVALID_ARGUMENT, "pool.regions is empty")
+    for i, r in enumerate(spec.regions):
+        if r.block_bytes <= 0 or r.block_stride < r.block_bytes:
+            raise CacheError(ErrorCode.INVALID_ARGUMENT,
+                             f"pool.regions[{i}]: need 0 < block_bytes <= block_stride, got {r.block_bytes}, {r.block_stride}")
+        end = r.offset + (spec.num_blocks - 1) * r.block_stride + r.block_bytes
+        if end > spec.size:
+            raise CacheError(ErrorCode.INVALID_ARGUMENT,
+                             f"pool.regions[{i}] ends at byte {end}, past the pool size {spec.size}")
+
+
+class _InFlight:
+    """Counts copies in flight so that close() never unmaps under a running copy."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._n = 0
+        self.closed = False
+
+    def __enter__(self) -> None:
+        with self._cv:
+            if self.closed:
+                raise CacheError(ErrorCode.NOT_FOUND, "session closed: its pool mapping is released")
+            self._n += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cv:
+            self._n -= 1
+            self._cv.notify_all()
+
+    def close_when_idle(self) -> None:
+        with self._cv:
+            self.closed = True
+            while self._n:
+                self._cv.wait()
+
+
+class ShmEngineMemory:
+    """A POSIX shared-memory pool, opened by name under /dev/shm and mapped once."""
+
+    def __init__(self, spec: PoolSpec) -> None:
+        if not SHM_NAME_RE.match(spec.shm_name) or spec.shm_name in (".", ".."):
+            raise CacheError(ErrorCode.INVALID_ARGUMENT,
+                             f"pool.shm.name {spec.shm_name!r} is not a shared-memory name ([A-Za-z0-9_.-], no slash)")
+        validate_layout(spec)
+        path = os.path.join(SHM_DIR, spec.shm_name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError as e:
+            raise CacheError(ErrorCode.FAILED_PRECONDITION,
+                             f"cannot open shared-memory segment {spec.shm_name!r}: {e.strerror}") from None
+        try:
+            actual = os.fstat(fd).st_size
+            if actual < spec.size:
+                raise CacheError(ErrorCode.INVALID_ARGUMENT,
+                                 f"shared-memory segment {spec.shm_name!r} has {actual} bytes, pool.shm.size says {spec.size}")
+            self._mm = mmap.mmap(fd, spec.size)
+        finally:
+            os.close(fd)
+        self.spec = spec
+        self.num_blocks = spec.num_blocks
+        self.block_bytes = spec.block_bytes
+        self._base = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self._views = [
+            self._base.as_strided((spec.num_blocks, r.block_bytes), (r.block_stride, 1), r.offset) for r in spec.regions
+        ]
+        self._widths = [r.block_bytes for r in spec.regions]
+        self._inflight = _InFlight()
+
+    def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long)
+        with self._inflight:
+            if len(self._views) == 1:
+                return self._views[0].index_select(0, idx)
+            return torch.cat([v.index_select(0, idx) for v in self._views], dim=1)
+
+    def scatter(self, block_ids: Sequence[int], rows: torch.Tensor) -> None:
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long)
+        with self._inflight:
+            col = 0
+            for view, width in zip(self._views, self._widths):
+                view.index_copy_(0, idx, rows[:, col:col + width])
+                col += width
+
+    def close(self) -> None:
+        if self._inflight.closed:
+            return
+        self._inflight.close_when_idle()
+        # the mmap refuses to close while tensors still export its buffer
+        self._views = []
+        self._base = None  # type: ignore[assignment]
+        self._mm.close()
+
+
+def open_engine_memory(spec: PoolSpec) -> EngineMemory:
+    if spec.kind == "shm":
+        return ShmEngineMemory(spec)
+    if spec.kind == "cuda":
+        raise CacheError(ErrorCode.FAILED_PRECONDITION,
+                         "this daemon has no CUDA data path yet; register a shared-memory pool")
+    raise CacheError(ErrorCode.INVALID_ARGUMENT, f"unknown pool kind {spec.kind!r}")

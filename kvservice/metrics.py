@@ -1,0 +1,149 @@
+"""Prometheus export: a custom collector that reads the core's own figures at scrape time.
+
+No bookkeeping here: every sample comes from BlockCache (tier_stats, namespace_stats, counters,
+queue_depths, latencies, sessions) when Prometheus scrapes. The HTTP server runs in a thread,
+so when given the daemon's event loop the collector takes its snapshot on that loop and never
+reads core state while a request is changing it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+import kvservice
+from kvservice.cache import BlockCache
+from kvservice.config import parse_host_port
+from kvservice.stats import Counters, Histogram
+
+log = logging.getLogger(__name__)
+
+SNAPSHOT_TIMEOUT_S = 5.0
+_COUNTER_NAMES = [f.name for f in fields(Counters)] + ["blocks_offloaded", "blocks_loaded_back"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Snapshot:
+    io_backend: str
+    tiers: list[dict]
+    total: dict[str, float]
+    by_namespace: list[tuple[str, dict[str, float]]]
+    queues: dict[str, int]
+    latencies: list[tuple[str, tuple[float, ...], list[int], int, float]]
+    sessions: int
+
+
+def _snapshot(cache: BlockCache) -> _Snapshot:
+    def copy_hist(h: Histogram) -> tuple[str, tuple[float, ...], list[int], int, float]:
+        return (h.name, tuple(h.bounds), list(h.counts), h.count, h.sum)
+
+    return _Snapshot(
+        io_backend=cache.io_backend_name,
+        tiers=[dict(t) for t in cache.tier_stats()],
+        total=cache.counters.as_dict(),
+        by_namespace=[
+            (str(n["namespace_id"]), n["counters"].as_dict()) for n in cache.namespace_stats() if "counters" in n
+        ],
+        queues=dict(cache.queue_depths()),
+        latencies=[copy_hist(h) for h in cache.latencies],
+        sessions=len(cache.sessions()),
+    )
+
+
+def _metric_label(name: str) -> str:
+    return re.sub(r"[^a-z0-9_]", "_", name.lower())
+
+
+class CacheCollector(Collector):
+    """Yields kvservice_* families from one consistent snapshot of the cache per scrape."""
+
+    def __init__(self, cache: BlockCache, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._cache = cache
+        self._loop = loop
+
+    def _take_snapshot(self) -> _Snapshot:
+        loop = self._loop
+        if loop is None or not loop.is_running() or _on_loop_thread(loop):
+            return _snapshot(self._cache)
+
+        async def on_loop() -> _Snapshot:
+            return _snapshot(self._cache)
+
+        return asyncio.run_coroutine_threadsafe(on_loop(), loop).result(timeout=SNAPSHOT_TIMEOUT_S)
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._take_snapshot()
+
+        info = GaugeMetricFamily("kvservice_info", "Daemon version and I/O backend", labels=["version", "io_backend"])
+        info.add_metric([kvservice.__version__, s.io_backend], 1)
+        yield info
+
+        for key, help_text in (
+            ("capacity_bytes", "Tier capacity in bytes"),
+            ("used_bytes", "Bytes stored in the tier"),
+            ("blocks", "Blocks stored in the tier"),
+            ("pinned_blocks", "Blocks pinned against eviction"),
+            ("retained_blocks", "Blocks with a retention deadline"),
+        ):
+            g = GaugeMetricFamily(f"kvservice_tier_{key}", help_text, labels=["tier"])
+            for t in s.tiers:
+                if key in t:
+                    g.add_metric([str(t["name"])], float(t[key]))
+            yield g
+
+        for name in _COUNTER_NAMES:
+            c = CounterMetricFamily(f"kvservice_{name}", f"Counters.{name}, per namespace", labels=["namespace"])
+            attributed = 0.0
+            for ns, values in s.by_namespace:
+                c.add_metric([ns], values[name])
+                attributed += values[name]
+            # Whatever the core counted outside any namespace, so that sum() equals the global figure.
+            if s.total[name] > attributed:
+                c.add_metric([""], s.total[name] - attributed)
+            yield c
+
+        yield GaugeMetricFamily(
+            "kvservice_recovery_rate", "Blocks loaded back / blocks offloaded", value=s.total["recovery_rate"]
+        )
+        for key in ("write_queue_depth", "write_queue_capacity", "read_queue_depth"):
+            yield GaugeMetricFamily(f"kvservice_{key}", key.replace("_", " ").capitalize(), value=s.queues.get(key, 0))
+        yield GaugeMetricFamily("kvservice_sessions", "Open engine sessions", value=s.sessions)
+
+        h = HistogramMetricFamily("kvservice_latency_seconds", "Store and Load latency in seconds", labels=["op"])
+        for name, bounds, counts, count, total in s.latencies:
+            cumulative, buckets = 0, []
+            for bound, n in zip(bounds, counts):
+                cumulative += n
+                buckets.append((repr(float(bound)), cumulative))
+            buckets.append(("+Inf", count))
+            h.add_metric([_metric_label(name)], buckets, total)
+        yield h
+
+
+def _on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
+def make_registry(cache: BlockCache, loop: asyncio.AbstractEventLoop | None = None) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(CacheCollector(cache, loop))
+    return registry
+
+
+def start_metrics_server(address: str, registry: CollectorRegistry) -> tuple[object, threading.Thread]:
+    """Serve /metrics on address ("host:port"); returns prometheus_client's (server, thread)."""
+    host, port = parse_host_port(address)
+    server, thread = start_http_server(port, addr=host, registry=registry)
+    log.info("metrics: http://%s:%d/metrics", address.rpartition(":")[0], server.server_port)
+    return server, thread

@@ -1,0 +1,78 @@
+"""Admin servicer: the operator surface (grpcurl through reflection) over the same core figures."""
+
+from __future__ import annotations
+
+import hmac
+
+import grpc
+
+import kvservice
+from kvservice import convert
+from kvservice.cache import BlockCache
+from kvservice.clock import Clock
+from kvservice.config import Config, config_to_toml
+from kvservice.servicer_kvcache import maps_cache_errors
+from kvservice.types import CacheError, ErrorCode, NamespaceId
+from kvservice.v1 import admin_pb2, admin_pb2_grpc
+
+
+class AdminServicer(admin_pb2_grpc.AdminServicer):
+    def __init__(self, cache: BlockCache, config: Config, clock: Clock) -> None:
+        self._cache = cache
+        self._config = config
+        self._clock = clock
+        self._started_at = clock.now()
+
+    @maps_cache_errors
+    async def Stats(self, request: admin_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> admin_pb2.StatsReply:
+        c = self._cache
+        queues = c.queue_depths()
+        return admin_pb2.StatsReply(
+            version=kvservice.__version__,
+            io_backend=c.io_backend_name,
+            tiers=[convert.tier_stats(t) for t in c.tier_stats()],
+            counters=convert.counters(c.counters),
+            namespaces=[convert.namespace_stats(n) for n in c.namespace_stats()],
+            write_queue_depth=queues.get("write_queue_depth", 0),
+            write_queue_capacity=queues.get("write_queue_capacity", 0),
+            read_queue_depth=queues.get("read_queue_depth", 0),
+            latencies=[convert.histogram(h) for h in c.latencies],
+            sessions=len(c.sessions()),
+            uptime_seconds=max(0.0, self._clock.now() - self._started_at),
+        )
+
+    @maps_cache_errors
+    async def ListNamespaces(
+        self, request: admin_pb2.ListNamespacesRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.ListNamespacesReply:
+        return admin_pb2.ListNamespacesReply(namespaces=[convert.namespace_stats(n) for n in self._cache.namespace_stats()])
+
+    @maps_cache_errors
+    async def ListSessions(
+        self, request: admin_pb2.ListSessionsRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.ListSessionsReply:
+        return admin_pb2.ListSessionsReply(sessions=[convert.session_info(s) for s in self._cache.sessions()])
+
+    @maps_cache_errors
+    async def Evict(self, request: admin_pb2.EvictRequest, context: grpc.aio.ServicerContext) -> admin_pb2.EvictReply:
+        token = self._config.admin_token
+        if token and not hmac.compare_digest(request.admin_token.encode(), token.encode()):
+            raise CacheError(ErrorCode.PERMISSION_DENIED, "admin_token is missing or wrong")
+        target = request.WhichOneof("target")
+        if target == "namespace_id" and request.namespace_id:
+            evicted = await self._cache.evict(namespace=NamespaceId(request.namespace_id))
+        elif target == "expired" and request.expired:
+            evicted = await self._cache.evict(expired=True)
+        elif target == "all" and request.all:
+            evicted = await self._cache.evict(all=True)
+        else:
+            raise CacheError(
+                ErrorCode.INVALID_ARGUMENT,
+                'Evict needs exactly one target: namespace_id (non-empty), "expired": true or "all": true',
+            )
+        return admin_pb2.EvictReply(evicted_blocks=evicted)
+
+    async def GetConfig(
+        self, request: admin_pb2.GetConfigRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.GetConfigReply:
+        return admin_pb2.GetConfigReply(toml=config_to_toml(self._config))

@@ -1,0 +1,312 @@
+"""Tiers: the index, host tier, disk tier and retention, and every move between them.
+
+Primitives (all state changes happen on the event loop thread; bytes move in thread pools):
+  make_host_room(nbytes, now) -> bool     evict host LRU victims (spill or drop) for nbytes
+  read_from_disk(entry) -> buffer         read and checksum-verify; a bad block is discarded
+  onboard(entry, buf, now)                put a disk block read back into the host tier
+  remove(entry)                           forget a block everywhere (admin evict, corruption)
+  persist_deadline(entry)                 rewrite a disk header after its deadline moved
+  recover()                               rebuild the disk index from block files at start
+  drain() / stop()                        finish queued spills (SIGTERM)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from kvservice import block_file
+from kvservice.config import Config
+from kvservice.disk_tier import DiskTier
+from kvservice.eviction import Victim, admission_gate, plan_disk_eviction
+from kvservice.host_tier import HostTier
+from kvservice.index import BlockIndex, DiskState, Entry
+from kvservice.io_backend import BlockIO, BlockIOError
+from kvservice.retention import Retention
+from kvservice.stats import CounterSet
+from kvservice.types import BlockHash, BlockKey, NamespaceId
+from kvservice.write_queue import WriteQueue
+
+log = logging.getLogger(__name__)
+
+
+class Tiers:
+    def __init__(self, config: Config, io: BlockIO, stats: CounterSet, clock_now) -> None:
+        self.config = config
+        self.io = io
+        self.stats = stats
+        self.now = clock_now
+        self.index = BlockIndex()
+        self.host = HostTier(config.host_capacity_bytes)
+        self.disk = DiskTier(config.disk_path, config.disk_capacity_bytes) if config.has_disk else None
+        self.retention = Retention(config.max_ttl_seconds, config.retained_cap_bytes)
+        self.gate = admission_gate(config)
+        self.reader_pool = ThreadPoolExecutor(config.reader_threads, thread_name_prefix="kv-read")
+        self.writer_pool = ThreadPoolExecutor(config.writer_threads, thread_name_prefix="kv-write")
+        self.writes: WriteQueue[Entry] = WriteQueue(
+            config.write_queue_depth, config.writer_threads, config.write_queue_policy, self._write_job)
+        self.reads_in_flight = 0
+        self._header_tasks: set[asyncio.Task[None]] = set()
+
+    # --- lifecycle
+    def start(self) -> None:
+        if self.disk is not None:
+            self.writes.start()
+
+    async def drain(self) -> None:
+        await self.writes.drain()
+        if self._header_tasks:
+            await asyncio.gather(*self._header_tasks, return_exceptions=True)
+
+    async def stop(self) -> None:
+        await self.writes.stop()
+        self.reader_pool.shutdown(wait=True)
+        self.writer_pool.shutdown(wait=True)
+
+    async def recover(self) -> int:
+        """Index every complete block file; torn and corrupt ones were removed by the scan."""
+        if self.disk is None:
+            return 0
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(self.reader_pool, block_file.scan, self.disk.root)
+        now = self.now()
+        for path, meta in sorted(result.blocks, key=lambda b: b[1].stored_at):
+            key = BlockKey(NamespaceId(meta.namespace), BlockHash(meta.hash))
+            e = Entry(key, meta.payload_len, meta.checksum, meta.stored_at, deadline=meta.deadline,
+                      reuse=meta.reuse, disk_path=path, disk_deadline=meta.deadline)
+            self.index.add(e)
+            self.disk.used_bytes += e.size
+            self.disk.commit(e)
+            self.retention.track(e)
+        # a smaller capacity than last run: evict in the usual order until it fits
+        if self.disk.free_bytes < 0:
+            plan = plan_disk_eviction(self.disk, 0, now, protect_unexpired=False) or []
+            self._apply_disk_plan(plan)
+        log.info("disk tier recovered %d blocks (%d torn, %d corrupt removed)",
+                 len(result.blocks), result.torn_removed, result.corrupt_removed)
+        return len(result.blocks)
+
+    # --- host tier
+    async def make_host_room(self, nbytes: int, now: float) -> bool:
+        """Evict host victims until nbytes fit, and reserve them (the caller adds with
+        reserved=True or unreserves). False, with nothing evicted, if pins forbid it."""
+        if nbytes > self.host.capacity_bytes:
+            return False
+        victims = self._host_plan(nbytes, now)
+        if victims is None:
+            return False
+        # retained victims claim disk room before best-effort ones
+        victims.sort(key=lambda e: not e.retained(now))
+        spills = [v for v in victims if self._evict_from_host(v, now)]
+        # reserve before the first await so a concurrent Store cannot take the room
+        self.host.reserve(nbytes)
+        for v in spills:
+            await self._submit_spill(v, now)
+        return True
+
+    def _host_plan(self, nbytes: int, now: float) -> list[Entry] | None:
+        """LRU victims freeing nbytes. Under protect-unexpired, an unexpired retained block that
+        the disk could not admit is not a victim: evicting it could only drop it."""
+        need = nbytes - self.host.free_bytes
+        if need <= 0:
+            return []
+        protect = self.disk is not None and self.config.protect_unexpired
+        room = self._disk_room(now) if protect else 0
+        out: list[Entry] = []
+        for e in self.host.entries_oldest_first():
+            if e.pinned(now):
+                continue
+            if protect and e.disk == DiskState.NONE and e.retained(now):
+                if e.size > room:
+                    continue
+                room -= e.size
+            out.append(e)
+            need -= e.size
+            if need <= 0:
+                return out
+        return None
+
+    def evictable_host_bytes(self, now: float) -> int:
+        """Free host bytes plus what make_host_room could evict right now."""
+        protect = self.disk is not None and self.config.protect_unexpired
+        room = self._disk_room(now) if protect else 0
+        total = self.host.free_bytes
+        for e in self.host.entries_oldest_first():
+            if e.pinned(now):
+                continue
+            if protect and e.disk == DiskState.NONE and e.retained(now):
+                if e.size > room:
+                    continue
+                room -= e.size
+            total += e.size
+        return total
+
+    def _disk_room(self, now: float) -> int:
+        """Disk bytes a spill could get without evicting an unexpired retained block."""
+        assert self.disk is not None
+        room = self.disk.free_bytes + sum(e.size for e in self.disk.unmarked.values() if not e.pinned(now))
+        return room + sum(e.size for e in self.disk.retained.values() if e.deadline <= now and not e.pinned(now))
+
+    def _evict_from_host(self, e: Entry, now: float) -> bool:
+        """Take e out of host memory; True when it was given disk room and must be spilled."""
+        buf = self.host.remove(e)
+        self.stats.bump(e.namespace, "host_evictions")
+        if e.disk != DiskState.NONE:
+            return False  # a disk copy exists or is being written: nothing to do
+        if self.disk is None:
+            self.stats.bump(e.namespace, "drops_no_disk")
+            self._forget(e)
+            return False
+        if not e.retained(now) and not self.gate(e, now):
+            self.stats.bump(e.namespace, "drops_gate")
+            self._forget(e)
+            return False
+        plan = plan_disk_eviction(self.disk, e.size, now, self.config.protect_unexpired)
+        if plan is None:
+            self.stats.bump(e.namespace, "admission_refusals")
+            self._forget(e)
+            return False
+        self._apply_disk_plan(plan)
+        self.disk.reserve(e)
+        e.spill_buf = buf
+        return True
+
+    async def _submit_spill(self, e: Entry, now: float) -> None:
+        # retained spills are never shed: they wait for room in the queue like under "wait"
+        if not await self.writes.submit(e, sheddable=not e.retained(now)):
+            self.stats.bump(e.namespace, "drops_pressure")
+            self._abandon_spill(e)
+
+    def onboard(self, e: Entry, buf: torch.Tensor, reserved: bool = False) -> bool:
+        """Keep a block read from disk in the host tier: into reserved room, or free room."""
+        fits = reserved or self.host.free_bytes >= e.size
+        if self.index.get_any(e.key) is not e or e.memory_buf() is not None or not fits:
+            if reserved:
+                self.host.unreserve(e.size)
+            return False
+        self.host.add([e], [buf], reserved=reserved)
+        self.stats.bump(e.namespace, "disk_onboards")
+        return True
+
+    async def onboard_evicting(self, e: Entry, buf: torch.Tensor) -> bool:
+        if self.index.get_any(e.key) is not e or e.memory_buf() is not None:
+            return False
+        if not await self.make_host_room(e.size, self.now()):
+            return False
+        return self.onboard(e, buf, reserved=True)
+
+    # --- disk tier
+    async def _write_job(self, e: Entry) -> None:
+        """Write one spill; its disk room was reserved when it left the host tier."""
+        assert self.disk is not None
+        if self.index.get_any(e.key) is not e or e.disk != DiskState.QUEUED:  # evicted while queued
+            self._abandon_spill(e)
+            return
+        meta = self._meta(e)
+        loop = asyncio.get_running_loop()
+        try:
+            path = await loop.run_in_executor(
+                self.writer_pool, block_file.write_block, self.io, self.disk.root, meta, e.spill_buf)
+        except (OSError, BlockIOError, ValueError) as err:
+            log.warning("spill of %s failed: %s", e.key.hash.hex()[:16], err)
+            self.stats.bump(e.namespace, "io_errors")
+            self._abandon_spill(e)
+            return
+        if self.index.get_any(e.key) is not e:  # evicted by an admin while it was written
+            self.io.remove(path)
+            self._abandon_spill(e)
+            return
+        e.spill_buf = None
+        e.disk_path = path
+        e.disk_deadline = meta.deadline
+        self.disk.commit(e)
+        self.stats.bump(e.namespace, "spills")
+        if e.deadline != e.disk_deadline:
+            await self.persist_deadline(e)
+
+    def _abandon_spill(self, e: Entry) -> None:
+        """Give back the disk room of a spill that will not be written; drop the block if
+        nothing else holds its bytes. Idempotent: the writer may find it abandoned already."""
+        assert self.disk is not None
+        self.disk.unreserve(e)
+        e.spill_buf = None
+        if e.host_buf is None:
+            self._forget(e)
+
+    def _apply_disk_plan(self, plan: list[Victim]) -> None:
+        for v in plan:
+            self.stats.bump(v.entry.namespace, v.cls.value)
+            self._drop_disk_copy(v.entry)
+
+    def _drop_disk_copy(self, e: Entry) -> None:
+        assert self.disk is not None
+        if e.disk == DiskState.QUEUED:  # a queued best-effort spill, cancelled: the writer skips it
+            self._abandon_spill(e)
+            return
+        path = e.disk_path
+        self.disk.release(e)
+        e.disk_path = ""
+        # unlink now, on the loop thread: a later spill of the same key reuses this path
+        self.io.remove(path)
+        if e.host_buf is None and e.spill_buf is None:
+            self._forget(e)
+
+    async def read_from_disk(self, e: Entry) -> torch.Tensor:
+        """Read e's payload into a new host buffer, checksum-verified. Caller holds a pin on e.
+        Raises BlockIOError after discarding the block and counting the failure."""
+        loop = asyncio.get_running_loop()
+        out = torch.empty(e.size, dtype=torch.uint8)
+        self.reads_in_flight += 1
+        try:
+            await loop.run_in_executor(self.reader_pool, block_file.read_payload, self.io, e.disk_path, self._meta(e), out)
+        except (OSError, BlockIOError) as err:
+            counter = "checksum_failures" if isinstance(err, block_file.ChecksumMismatchError) else "io_errors"
+            self.stats.bump(e.namespace, counter)
+            log.warning("disk block %s discarded: %s", e.key.hash.hex()[:16], err)
+            if e.disk == DiskState.ON_DISK:
+                self._drop_disk_copy(e)
+            raise BlockIOError(str(err)) from err
+        finally:
+            self.reads_in_flight -= 1
+        return out
+
+    async def persist_deadline(self, e: Entry) -> None:
+        """Rewrite the header so the deadline survives a restart."""
+        if e.disk != DiskState.ON_DISK or e.disk_deadline == e.deadline:
+            return
+        meta = self._meta(e)
+        e.disk_deadline = meta.deadline
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(
+            loop.run_in_executor(self.writer_pool, block_file.rewrite_header, self.io, e.disk_path, meta))
+        self._header_tasks.add(task)
+        task.add_done_callback(self._header_tasks.discard)
+        try:
+            await task
+        except (OSError, BlockIOError) as err:
+            self.stats.bump(e.namespace, "io_errors")
+            log.warning("deadline rewrite of %s failed: %s", e.key.hash.hex()[:16], err)
+
+    def mark_retained(self, e: Entry) -> None:
+        if self.disk is not None:
+            self.disk.mark_retained(e)
+
+    # --- whole entries
+    def remove(self, e: Entry) -> None:
+        """Forget e everywhere (admin evict, discard). A queued spill notices and stops."""
+        if e.host_buf is not None:
+            self.host.remove(e)
+        if e.disk == DiskState.ON_DISK:
+            self._drop_disk_copy(e)
+        self._forget(e)
+
+    def _forget(self, e: Entry) -> None:
+        self.retention.forget(e)
+        self.index.remove(e)
+
+    def _meta(self, e: Entry) -> block_file.BlockMeta:
+        return block_file.BlockMeta(namespace=e.namespace, hash=e.key.hash, payload_len=e.size, checksum=e.checksum,
+                                    deadline=e.deadline, stored_at=e.stored_at, reuse=e.reuse)
