@@ -298,7 +298,9 @@ class BlockCache:
     async def _collect_bytes(self, s: Session, found: list[tuple[int, int, Entry]], results: list[LoadResult | None]):
         """Source buffers for found blocks: memory right away, disk blocks read (and verified) in parallel."""
         t = self._t
-        on_disk = [(i, b, e) for i, b, e in found if e.memory_buf() is None]
+        # take memory buffers now: a queued spill may finish (and let go of them) while disk reads run
+        mem_of = {id(e): e.memory_buf() for _, _, e in found}
+        on_disk = [(i, b, e) for i, b, e in found if mem_of[id(e)] is None]
         reads = await asyncio.gather(*(t.read_from_disk(e) for _, _, e in on_disk), return_exceptions=True)
         read_of = {id(e): r for (_, _, e), r in zip(on_disk, reads)}
         srcs: list[torch.Tensor] = []
@@ -306,8 +308,11 @@ class BlockCache:
         served: list[tuple[tuple[int, int, Entry], Tier]] = []
         for item in found:
             i, b, e = item
-            mem = e.memory_buf()
-            if id(e) in read_of:
+            mem = mem_of[id(e)]
+            if mem is not None:
+                srcs.append(mem)
+                served.append((item, Tier.HOST))
+            else:
                 r = read_of[id(e)]
                 if isinstance(r, BaseException):
                     if not isinstance(r, (BlockIOError, OSError)):
@@ -319,9 +324,6 @@ class BlockCache:
                     self._later(t.onboard_evicting(e, r))
                 srcs.append(r)
                 served.append((item, Tier.DISK))
-            elif mem is not None:
-                srcs.append(mem)
-                served.append((item, Tier.HOST))
             ids.append(b)
         return srcs, ids, served
 

@@ -296,10 +296,11 @@ class Tiers:
 
     # --- whole entries
     def remove(self, e: Entry) -> None:
-        """Forget e everywhere (admin evict, discard). A queued spill notices and stops."""
+        """Forget e everywhere (admin evict, discard). A queued spill is cancelled; a write
+        already in progress removes its file when it finishes."""
         if e.host_buf is not None:
             self.host.remove(e)
-        if e.disk == DiskState.ON_DISK:
+        if e.disk != DiskState.NONE:
             self._drop_disk_copy(e)
         self._forget(e)
 

@@ -1,0 +1,21 @@
+"""engine_client: what an inference engine links to use the kvservice daemon.
+
+    ns = Namespace("llama-8b", "bfloat16", tokens_per_block=16, layout="block-contiguous")
+    hasher = BlockHasher(ns)                       # chained block hashes, canary
+    pool = ShmKVPool(num_blocks, block_bytes)       # engine KV pool the daemon can map (CPU hosts)
+    with KVClient("unix:///run/kvservice/kvservice.sock", ns, pool) as kv:
+        hashes = hasher.hash_blocks(token_ids)
+        n, tiers = kv.lookup(hashes)
+        results = kv.load(hashes[:n], block_ids[:n])
+
+AsyncKVClient is the asyncio client; KVClient runs it on a private loop thread.
+"""
+
+from engine_client.client import AsyncKVClient
+from engine_client.errors import KVClientError
+from engine_client.hashing import HASH_BYTES, BlockHasher
+from engine_client.namespace import Namespace
+from engine_client.shm_pool import ShmKVPool
+from engine_client.sync_client import KVClient
+
+__all__ = ["AsyncKVClient", "BlockHasher", "HASH_BYTES", "KVClient", "KVClientError", "Namespace", "ShmKVPool"]

@@ -1,0 +1,443 @@
+"""AsyncKVClient: an engine's session with the node-local kvservice daemon, over grpc.aio.
+
+Primitives (batched; each answers per block, in the order asked):
+  connect(required)                 open a session: namespace, pool description, hash canary
+  lookup(hashes)                    -> (prefix_blocks, tier of each of those blocks)
+  store(hashes, block_ids, ttl)     -> StoreResult per block; returns once bytes left the pool
+  load(hashes, block_ids)           -> LoadResult per block; returns once bytes are in the pool
+  prefetch(hashes)                  -> PrefetchStatus per hash (disk -> host, under a pin lease)
+  retain(hashes, ttl)               -> new deadline per hash (0.0: not stored or refused)
+  close()
+
+Batches longer than the daemon's max_batch_blocks are split client-side, sent in order.
+
+Resilience: the cache is an accelerator, never a dependency. While the daemon is down or
+restarting (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED, or NOT_FOUND for a session a restarted
+daemon does not know), data calls do not raise: they answer as an empty cache would (MISSING,
+NOT_STORED, (0, []), NOT_FOUND, 0.0) and the client detaches. A background task heartbeats
+while attached and, while detached, re-opens a session (re-registering the pool) with
+exponential backoff. Any other status raises KVClientError, and so does a data call after the
+re-attach was refused for good (e.g. a hash-canary mismatch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol, TypeVar
+
+import grpc
+
+from engine_client.backoff import Backoff
+from engine_client.errors import DETACHING_CODES, KVClientError, from_rpc_error
+from engine_client.hashing import HASH_BYTES, BlockHasher
+from engine_client.namespace import Namespace
+from kvservice.v1 import kvcache_pb2, kvcache_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+UNREACHABLE = "daemon unreachable"
+
+_CHANNEL_OPTIONS = (
+    # gRPC's default reconnect backoff grows to 120 s; a restarted daemon must be found in seconds.
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.min_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
+
+T = TypeVar("T")
+
+
+class PoolDescriber(Protocol):
+    """Anything that can describe an engine KV pool for OpenSession (ShmKVPool, a CUDA pool)."""
+
+    def description(self) -> kvcache_pb2.PoolDescription: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Session:
+    session_id: str
+    namespace_id: str
+    lease_seconds: float
+    max_batch_blocks: int  # 0: no limit
+    block_bytes: int
+
+    def batch_end(self, lo: int, n: int) -> int:
+        """End of the batch that starts at item `lo` of `n`."""
+        return min(n, lo + self.max_batch_blocks) if self.max_batch_blocks else n
+
+
+class AsyncKVClient:
+    """One engine process's session with kvservice. Create, `await connect()`, use, `await close()`."""
+
+    def __init__(
+        self,
+        target: str,
+        namespace: Namespace,
+        pool: PoolDescriber,
+        client_name: str = "",
+        heartbeat_interval: float | None = None,
+        *,
+        timeout: float = 30.0,
+        heartbeat_timeout: float = 2.0,
+        open_timeout: float = 10.0,
+    ) -> None:
+        """`target`: "unix:///path/to.sock", a bare absolute socket path, or "host:port".
+
+        heartbeat_interval defaults to a third of the lease the daemon grants. `timeout` bounds
+        each data RPC, `heartbeat_timeout` each Heartbeat/CloseSession, `open_timeout` OpenSession.
+        """
+        self.target = f"unix://{target}" if target.startswith("/") else target
+        self.namespace = namespace
+        self.hasher = BlockHasher(namespace)
+        self.client_name = client_name
+        self._pool = pool
+        self._heartbeat_interval = heartbeat_interval
+        self._timeout = timeout
+        self._heartbeat_timeout = heartbeat_timeout
+        self._open_timeout = open_timeout
+        self._canary = self.hasher.canary()
+        self._pool_desc: kvcache_pb2.PoolDescription | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: kvcache_pb2_grpc.KVCacheStub | None = None
+        self._session: _Session | None = None
+        self._stale_session_id = ""  # detached from, maybe still open on a slow daemon: closed best-effort
+        self._wake: asyncio.Event | None = None
+        self._supervisor: asyncio.Task[None] | None = None
+        self._fatal: KVClientError | None = None
+        self._closed = False
+        self._reattachments = 0
+
+    # --- state
+    @property
+    def connected(self) -> bool:
+        """connect() succeeded (the client may be attached or re-attaching) and close() was not called."""
+        return self._stub is not None and not self._closed
+
+    @property
+    def attached(self) -> bool:
+        """True while a session is open (as far as this client knows)."""
+        return self._session is not None
+
+    @property
+    def session_id(self) -> str:
+        """The current session id; "" while detached."""
+        return self._session.session_id if self._session else ""
+
+    @property
+    def namespace_id(self) -> str:
+        """The daemon's id of this namespace; "" while detached."""
+        return self._session.namespace_id if self._session else ""
+
+    @property
+    def reattachments(self) -> int:
+        """How many times the background task turned a detached client into an attached one."""
+        return self._reattachments
+
+    @property
+    def error(self) -> KVClientError | None:
+        """The refusal that stopped re-attaching for good (e.g. a canary mismatch); data calls raise it."""
+        return self._fatal
+
+    @property
+    def max_batch_blocks(self) -> int:
+        """Blocks per RPC the daemon accepts (0 while detached or unlimited)."""
+        return self._session.max_batch_blocks if self._session else 0
+
+    # --- lifecycle
+    async def connect(self, required: bool = True) -> None:
+        """Open the session and start the heartbeat.
+
+        If the daemon cannot be reached: required=True raises KVClientError(UNAVAILABLE);
+        required=False starts detached and keeps re-attaching in the background. Other
+        refusals (e.g. FAILED_PRECONDITION for a hash-canary mismatch) always raise.
+        """
+        if self._closed:
+            raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "AsyncKVClient is closed")
+        if self._stub is not None:
+            raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "connect() was already called")
+        self._pool_desc = self._pool.description()
+        self._wake = asyncio.Event()
+        self._channel = grpc.aio.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
+        self._stub = kvcache_pb2_grpc.KVCacheStub(self._channel)
+        try:
+            await self._open_session()
+        except KVClientError as err:
+            if err.code not in DETACHING_CODES or required:
+                await self._drop_channel()
+                if err.code in DETACHING_CODES:
+                    raise KVClientError(grpc.StatusCode.UNAVAILABLE,
+                                        f"kvservice unreachable at {self.target}: {err}") from None
+                raise
+            log.warning("kvservice unreachable at %s (%s); starting detached", self.target, err)
+        self._supervisor = asyncio.create_task(self._supervise(), name=f"kvclient-supervisor {self.target}")
+
+    async def close(self) -> None:
+        """Stop the heartbeat, close the session (best effort) and the channel. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            await asyncio.gather(self._supervisor, return_exceptions=True)
+        session, self._session = self._session, None
+        if session is not None:
+            await self._close_session_quietly(session.session_id)
+        await self._drop_channel()
+
+    async def __aenter__(self) -> AsyncKVClient:
+        if self._stub is None:
+            await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # --- data
+    async def lookup(self, hashes: Sequence[bytes]) -> tuple[int, list[int]]:
+        """How many leading hashes of the chain are stored, and the Tier value of each of them."""
+        _check_hashes(hashes)
+        prefix, tiers, pos = 0, [], 0
+        while pos < len(hashes):
+            session = self._current()
+            if session is None:
+                return 0, []
+            end = session.batch_end(pos, len(hashes))
+            request = kvcache_pb2.LookupRequest(session_id=session.session_id, hashes=hashes[pos:end])
+            reply = await self._call("Lookup", request, session)
+            if reply is None:
+                return 0, []
+            got = reply.prefix_blocks
+            if got > end - pos or len(reply.tiers) != got:
+                raise KVClientError(grpc.StatusCode.INTERNAL,
+                                    f"Lookup of {end - pos} hashes answered prefix {got} with {len(reply.tiers)} tiers")
+            prefix += got
+            tiers.extend(reply.tiers)
+            if got < end - pos:
+                break
+            pos = end
+        return prefix, tiers
+
+    async def store(
+        self, hashes: Sequence[bytes], block_ids: Sequence[int], ttl_seconds: float = 0.0
+    ) -> list[kvcache_pb2.StoreResult]:
+        """Copy pool blocks `block_ids` into the daemon as `hashes` (a chain segment, head first).
+
+        ttl_seconds > 0 retains them at least that long. Returns once the bytes have left the
+        pool, so the blocks may be reused. Unreachable daemon: NOT_STORED for every block.
+        """
+        _check_refs(hashes, block_ids)
+        return await self._batched(
+            "Store", len(hashes),
+            lambda sid, lo, hi: kvcache_pb2.StoreRequest(
+                session_id=sid, blocks=_block_refs(hashes, block_ids, lo, hi), ttl_seconds=ttl_seconds),
+            lambda reply: reply.results,
+            lambda: kvcache_pb2.StoreResult(status=kvcache_pb2.NOT_STORED, message=UNREACHABLE),
+        )
+
+    async def load(self, hashes: Sequence[bytes], block_ids: Sequence[int]) -> list[kvcache_pb2.LoadResult]:
+        """Fill pool blocks `block_ids` with the blocks stored as `hashes`; returns once they landed.
+
+        Recompute from the first result that is not LOADED. Unreachable daemon: MISSING with
+        message "daemon unreachable" for every block.
+        """
+        _check_refs(hashes, block_ids)
+        return await self._batched(
+            "Load", len(hashes),
+            lambda sid, lo, hi: kvcache_pb2.LoadRequest(session_id=sid, blocks=_block_refs(hashes, block_ids, lo, hi)),
+            lambda reply: reply.results,
+            lambda: kvcache_pb2.LoadResult(status=kvcache_pb2.MISSING, message=UNREACHABLE),
+        )
+
+    async def prefetch(self, hashes: Sequence[bytes]) -> list[int]:
+        """Stage disk-resident blocks into the host tier; a PrefetchStatus value per hash."""
+        _check_hashes(hashes)
+        return await self._batched(
+            "Prefetch", len(hashes),
+            lambda sid, lo, hi: kvcache_pb2.PrefetchRequest(session_id=sid, hashes=hashes[lo:hi]),
+            lambda reply: reply.results,
+            lambda: kvcache_pb2.NOT_FOUND,
+        )
+
+    async def retain(self, hashes: Sequence[bytes], ttl_seconds: float) -> list[float]:
+        """Extend retention of stored blocks; the new deadline (unix s) per hash, 0.0 if not stored/refused."""
+        _check_hashes(hashes)
+        return await self._batched(
+            "Retain", len(hashes),
+            lambda sid, lo, hi: kvcache_pb2.RetainRequest(session_id=sid, hashes=hashes[lo:hi], ttl_seconds=ttl_seconds),
+            lambda reply: reply.deadlines,
+            lambda: 0.0,
+        )
+
+    # --- internals: calls
+    def _current(self) -> _Session | None:
+        """The session to use now (None: detached); raises if the client cannot be used at all."""
+        if self._fatal is not None:
+            raise self._fatal
+        if self._closed:
+            raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "AsyncKVClient is closed")
+        if self._stub is None:
+            raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "call connect() first")
+        return self._session
+
+    async def _batched(
+        self,
+        rpc: str,
+        n: int,
+        request: Callable[[str, int, int], Any],
+        items: Callable[[Any], Sequence[T]],
+        fallback: Callable[[], T],
+    ) -> list[T]:
+        out: list[T] = []
+        while len(out) < n:
+            lo = len(out)
+            session = self._current()
+            hi = session.batch_end(lo, n) if session is not None else n
+            reply = await self._call(rpc, request(session.session_id, lo, hi), session) if session is not None else None
+            if reply is None:  # detached, before or during this batch: the rest is a miss
+                out.extend(fallback() for _ in range(n - lo))
+                break
+            got = items(reply)
+            if len(got) != hi - lo:
+                raise KVClientError(grpc.StatusCode.INTERNAL, f"{rpc} of {hi - lo} blocks answered {len(got)} results")
+            out.extend(got)
+        return out
+
+    async def _call(self, rpc: str, request: Any, session: _Session) -> Any | None:
+        """Send one data RPC; None when the daemon is unreachable (and the client detaches)."""
+        assert self._stub is not None
+        try:
+            return await getattr(self._stub, rpc)(request, timeout=self._timeout)
+        except grpc.aio.AioRpcError as err:
+            if err.code() in DETACHING_CODES:
+                self._detach(session, rpc, err)
+                return None
+            raise from_rpc_error(err) from None
+
+    # --- internals: session upkeep
+    async def _open_session(self) -> None:
+        assert self._stub is not None
+        request = kvcache_pb2.OpenSessionRequest(
+            namespace=self.namespace.to_proto(), pool=self._pool_desc,
+            hash_canary=self._canary, client_name=self.client_name)
+        try:
+            reply = await self._stub.OpenSession(request, timeout=self._open_timeout)
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err) from None
+        self._session = _Session(
+            session_id=reply.session_id,
+            namespace_id=reply.namespace_id,
+            lease_seconds=reply.lease_seconds,
+            max_batch_blocks=reply.max_batch_blocks,
+            block_bytes=reply.block_bytes,
+        )
+        log.info("kvservice session %s open at %s (namespace %s)", reply.session_id, self.target, reply.namespace_id)
+
+    def _is_current(self, session: _Session) -> bool:
+        # By id, not identity: a heartbeat replaces the session object when the lease changes.
+        return self._session is not None and self._session.session_id == session.session_id
+
+    def _detach(self, session: _Session, rpc: str, err: grpc.aio.AioRpcError) -> None:
+        if not self._is_current(session):
+            return  # a concurrent call already detached, or a newer session replaced this one
+        self._session = None
+        if err.code() != grpc.StatusCode.NOT_FOUND:
+            self._stale_session_id = session.session_id
+        log.warning("kvservice session %s detached (%s: %s %s); re-attaching in the background",
+                    session.session_id, rpc, err.code().name, err.details())
+        assert self._wake is not None
+        self._wake.set()
+
+    async def _supervise(self) -> None:
+        """Heartbeat while attached; re-open a session with backoff while detached."""
+        assert self._wake is not None
+        backoff = Backoff()
+        try:
+            while not self._closed:
+                session = self._session
+                if session is None:
+                    if await self._reattach_once():
+                        backoff.reset()
+                    else:
+                        await asyncio.sleep(backoff.next())
+                    continue
+                self._wake.clear()
+                if self._is_current(session):
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), self._interval(session))
+                    except asyncio.TimeoutError:  # not the builtin TimeoutError before 3.11
+                        pass
+                if self._is_current(session):
+                    await self._heartbeat(session)
+        except KVClientError as err:
+            self._fatal = err
+            log.error("kvservice at %s refused this client for good: %s", self.target, err)
+        except Exception as err:  # noqa: BLE001  # a bug here must surface, not silently stop heartbeats
+            self._fatal = KVClientError(grpc.StatusCode.INTERNAL, f"kvclient supervisor failed: {err!r}")
+            log.exception("kvclient supervisor failed")
+
+    async def _reattach_once(self) -> bool:
+        """One attempt; False to back off and retry. Raises KVClientError when retrying is pointless."""
+        if self._stale_session_id:
+            stale, self._stale_session_id = self._stale_session_id, ""
+            await self._close_session_quietly(stale)
+        try:
+            await self._open_session()
+        except KVClientError as err:
+            if err.code in DETACHING_CODES or err.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                return False  # down, restarting, or out of sessions: all may clear
+            raise
+        self._reattachments += 1
+        return True
+
+    async def _heartbeat(self, session: _Session) -> None:
+        assert self._stub is not None
+        try:
+            reply = await self._stub.Heartbeat(
+                kvcache_pb2.HeartbeatRequest(session_id=session.session_id), timeout=self._heartbeat_timeout)
+        except grpc.aio.AioRpcError as err:
+            # Any heartbeat failure may mean the lease is lost: re-open rather than risk a dead session.
+            self._detach(session, "Heartbeat", err)
+            return
+        current = self._session
+        if (reply.lease_seconds > 0 and current is not None and current.session_id == session.session_id
+                and reply.lease_seconds != current.lease_seconds):
+            self._session = replace(current, lease_seconds=reply.lease_seconds)
+
+    def _interval(self, session: _Session) -> float:
+        if self._heartbeat_interval is not None:
+            return self._heartbeat_interval
+        return max(0.05, session.lease_seconds / 3) if session.lease_seconds > 0 else 1.0
+
+    async def _close_session_quietly(self, session_id: str) -> None:
+        if self._stub is None:
+            return
+        try:
+            await self._stub.CloseSession(
+                kvcache_pb2.CloseSessionRequest(session_id=session_id), timeout=self._heartbeat_timeout)
+        except grpc.aio.AioRpcError as err:
+            log.debug("CloseSession(%s) failed: %s", session_id, err.code().name)
+
+    async def _drop_channel(self) -> None:
+        channel, self._channel, self._stub = self._channel, None, None
+        if channel is not None:
+            await channel.close()
+
+
+def _check_hashes(hashes: Sequence[bytes]) -> None:
+    for i, h in enumerate(hashes):
+        if len(h) != HASH_BYTES:
+            raise KVClientError(grpc.StatusCode.INVALID_ARGUMENT, f"hash {i} is {len(h)} bytes, expected {HASH_BYTES}")
+
+
+def _check_refs(hashes: Sequence[bytes], block_ids: Sequence[int]) -> None:
+    if len(hashes) != len(block_ids):
+        raise KVClientError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"{len(hashes)} hashes but {len(block_ids)} block ids")
+    _check_hashes(hashes)
+
+
+def _block_refs(hashes: Sequence[bytes], block_ids: Sequence[int], lo: int, hi: int) -> list[kvcache_pb2.BlockRef]:
+    return [kvcache_pb2.BlockRef(hash=hashes[i], block_id=block_ids[i]) for i in range(lo, hi)]
