@@ -277,8 +277,7 @@ class BlockCache:
         try:
             srcs, ids, served = await self._collect_bytes(s, found, results)
             if srcs:
-                rows = torch.stack(srcs)
-                await asyncio.get_running_loop().run_in_executor(self._copy_pool, s.memory.scatter, ids, rows)
+                await asyncio.get_running_loop().run_in_executor(self._copy_pool, s.memory.scatter, ids, srcs)
             for (i, _, e), tier in served:
                 e.reuse += 1
                 self.stats.bump(s.namespace, "loads_host" if tier == Tier.HOST else "loads_disk")

@@ -2,7 +2,7 @@
 
 Primitives:
   gather(block_ids) -> tensor [B, block_bytes]   copy blocks out of the engine pool
-  scatter(block_ids, rows)                        copy rows into the engine pool
+  scatter(block_ids, srcs)                        copy one host buffer per block into the engine pool
   close()                                         unmap once no copy is in flight
 
 A block's bytes are the concatenation of its row in every region, in region order, so both
@@ -35,7 +35,7 @@ class EngineMemory(Protocol):
 
     def gather(self, block_ids: Sequence[int]) -> torch.Tensor: ...
 
-    def scatter(self, block_ids: Sequence[int], rows: torch.Tensor) -> None: ...
+    def scatter(self, block_ids: Sequence[int], srcs: Sequence[torch.Tensor]) -> None: ...
 
     def close(self) -> None: ...
 
@@ -121,8 +121,9 @@ class ShmEngineMemory:
                 return self._views[0].index_select(0, idx)
             return torch.cat([v.index_select(0, idx) for v in self._views], dim=1)
 
-    def scatter(self, block_ids: Sequence[int], rows: torch.Tensor) -> None:
+    def scatter(self, block_ids: Sequence[int], srcs: Sequence[torch.Tensor]) -> None:
         idx = torch.as_tensor(list(block_ids), dtype=torch.long)
+        rows = torch.stack(list(srcs))
         with self._inflight:
             col = 0
             for view, width in zip(self._views, self._widths):
