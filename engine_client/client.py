@@ -313,6 +313,12 @@ class AsyncKVClient:
         except grpc.aio.AioRpcError as err:
             if err.code() in DETACHING_CODES:
                 self._detach(session, rpc, err)
+                if rpc == "Load" and err.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                    # The daemon may still be copying into these blocks. CloseSession returns only
+                    # once no copy into this pool is in flight, so after it the engine may reuse them.
+                    await self._close_session_quietly(session.session_id)
+                    if self._stale_session_id == session.session_id:
+                        self._stale_session_id = ""
                 return None
             raise from_rpc_error(err) from None
 
