@@ -108,21 +108,12 @@ class Tiers:
         return True
 
     def _host_plan(self, nbytes: int, now: float) -> list[Entry] | None:
-        """LRU victims freeing nbytes. Under protect-unexpired, an unexpired retained block that
-        the disk could not admit is not a victim: evicting it could only drop it."""
+        """LRU victims freeing nbytes, or None."""
         need = nbytes - self.host.free_bytes
         if need <= 0:
             return []
-        protect = self.disk is not None and self.config.protect_unexpired
-        room = self._disk_room(now) if protect else 0
         out: list[Entry] = []
-        for e in self.host.entries_oldest_first():
-            if e.pinned(now):
-                continue
-            if protect and e.disk == DiskState.NONE and e.retained(now):
-                if e.size > room:
-                    continue
-                room -= e.size
+        for e in self._host_candidates(now):
             out.append(e)
             need -= e.size
             if need <= 0:
@@ -131,9 +122,13 @@ class Tiers:
 
     def evictable_host_bytes(self, now: float) -> int:
         """Free host bytes plus what make_host_room could evict right now."""
+        return self.host.free_bytes + sum(e.size for e in self._host_candidates(now))
+
+    def _host_candidates(self, now: float):
+        """Host entries that may be evicted, oldest first. Under protect-unexpired, an unexpired
+        retained block the disk could not admit is not one: evicting it could only drop it."""
         protect = self.disk is not None and self.config.protect_unexpired
         room = self._disk_room(now) if protect else 0
-        total = self.host.free_bytes
         for e in self.host.entries_oldest_first():
             if e.pinned(now):
                 continue
@@ -141,8 +136,7 @@ class Tiers:
                 if e.size > room:
                     continue
                 room -= e.size
-            total += e.size
-        return total
+            yield e
 
     def _disk_room(self, now: float) -> int:
         """Disk bytes a spill could get without evicting an unexpired retained block."""
