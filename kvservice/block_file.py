@@ -47,7 +47,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from kvservice.checksum import Buffer, byte_view, checksum
-from kvservice.io_backend import TMP_SUFFIX, BlockIO, BlockIOError, nbytes
+from kvservice.io_backend import TMP_SUFFIX, BlockIO, BlockIOError, nbytes, on_host
 from kvservice.types import HASH_BYTES, BlockHash, NamespaceId
 
 log = logging.getLogger(__name__)
@@ -195,18 +195,11 @@ def write_block(io: BlockIO, root: str, meta: BlockMeta, payload: Buffer) -> str
     return path
 
 
-def _on_host(buf: Buffer) -> bool:
-    device = getattr(buf, "device", None)
-    if device is not None and getattr(device, "type", "cpu") != "cpu":
-        return False
-    return not hasattr(buf, "__cuda_array_interface__")
-
-
 def verify(buf: Buffer, meta: BlockMeta, path: str = "") -> None:
     """ChecksumMismatchError unless `buf` has meta.checksum. A CUDA tensor is copied to host
     first (slow: callers landing disk reads in GPU memory should verify a host copy instead)."""
-    if not _on_host(buf):
-        buf = buf.cpu()
+    if not on_host(buf):
+        buf = buf.cpu() if hasattr(buf, "cpu") else buf.get()  # torch / CuPy
     got = checksum(buf)
     if got != meta.checksum:
         raise ChecksumMismatchError(path, meta.checksum, got)
@@ -222,7 +215,7 @@ def read_payload(io: BlockIO, path: str, meta: BlockMeta, out: Buffer) -> None:
     if nbytes(out) != meta.payload_len:
         raise ValueError(f"out holds {nbytes(out)} bytes, the block's payload is {meta.payload_len}")
     io.read_into(path, HEADER_BYTES, out)
-    if _on_host(out):
+    if on_host(out):
         verify(out, meta, path)
 
 
