@@ -3,6 +3,7 @@
     ns = Namespace("llama-8b", "bfloat16", tokens_per_block=16, layout="block-contiguous")
     hasher = BlockHasher(ns)                       # chained block hashes, canary
     pool = ShmKVPool(num_blocks, block_bytes)       # engine KV pool the daemon can map (CPU hosts)
+    pool = CudaKVPool(num_blocks, block_bytes)      # ... or on a GPU, registered by CUDA IPC
     with KVClient("unix:///run/kvservice/kvservice.sock", ns, pool) as kv:
         hashes = hasher.hash_blocks(token_ids)
         n, tiers = kv.lookup(hashes)
@@ -18,4 +19,13 @@ from engine_client.namespace import Namespace
 from engine_client.shm_pool import ShmKVPool
 from engine_client.sync_client import KVClient
 
-__all__ = ["AsyncKVClient", "BlockHasher", "HASH_BYTES", "KVClient", "KVClientError", "Namespace", "ShmKVPool"]
+__all__ = ["AsyncKVClient", "BlockHasher", "CudaKVPool", "HASH_BYTES", "KVClient", "KVClientError", "Namespace",
+           "ShmKVPool"]
+
+
+def __getattr__(name: str):
+    if name == "CudaKVPool":  # lazy: importing engine_client never loads CUDA libraries
+        from engine_client.cuda_pool import CudaKVPool
+
+        return CudaKVPool
+    raise AttributeError(f"module 'engine_client' has no attribute {name!r}")

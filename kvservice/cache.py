@@ -28,6 +28,7 @@ from kvservice.config import Config
 from kvservice.engine_memory import EngineMemory, open_engine_memory
 from kvservice.index import DiskState, Entry
 from kvservice.io_backend import BlockIO, BlockIOError, open_backend
+from kvservice.io_throttle import throttled
 from kvservice.namespaces import NamespaceRegistry
 from kvservice.sessions import Session, SessionTable
 from kvservice.sessions_api import NamespaceSpec, OpenedSession, PoolSpec, SessionInfo
@@ -42,8 +43,17 @@ log = logging.getLogger(__name__)
 
 
 def _gather_with_checksums(memory: EngineMemory, block_ids: list[int]) -> tuple[torch.Tensor, list[int]]:
+    fused = getattr(memory, "gather_with_checksums", None)
+    if fused is not None:  # CUDA pools checksum chunk k while chunk k+1 is still being copied
+        return fused(block_ids)
     rows = memory.gather(block_ids)
     return rows, [checksum(rows[i]) for i in range(rows.shape[0])]
+
+
+def _read_buffers(memory: EngineMemory, n: int) -> list[torch.Tensor | None]:
+    """Where n disk reads land: pinned rows, back to back, for a CUDA pool (one H2D copy per run)."""
+    alloc = getattr(memory, "alloc_host", None)
+    return alloc(n) if alloc is not None and n else [None] * n
 
 
 class BlockCache:
@@ -66,8 +76,8 @@ class BlockCache:
     # --- lifecycle
     async def start(self) -> int:
         """Open the I/O backend, recover the disk tier, start the writers. Returns blocks recovered."""
-        if self._io is None:
-            self._io = open_backend(self.config.io_backend)
+        io = self._io if self._io is not None else open_backend(self.config.io_backend)
+        self._io = throttled(io, self.config.disk_read_bytes_per_second, self.config.disk_write_bytes_per_second)
         self.tiers = Tiers(self.config, self._io, self.stats, self.clock.now)
         recovered = await self.tiers.recover()
         for e in self.tiers.index.values():
@@ -102,8 +112,13 @@ class BlockCache:
         if self._stopping:
             raise CacheError(ErrorCode.UNAVAILABLE, "daemon is shutting down")
         self._sessions.check_room()
-        rec = self.namespaces.admit(ns, pool, canary)
+        # map the pool first: a request refused for a bad pool must not fix the namespace's canary
         memory = open_engine_memory(pool)
+        try:
+            rec = self.namespaces.admit(ns, pool, canary)
+        except BaseException:
+            memory.close()
+            raise
         s = self._sessions.open(rec.id, pool, memory, client_name[:200], self.clock.now())
         log.info("session %s opened: namespace %s (%s), %d blocks of %d bytes, client %r",
                  s.id[:8], rec.id, ns.model_id, pool.num_blocks, pool.block_bytes, client_name)
@@ -215,6 +230,21 @@ class BlockCache:
 
     async def _store_new(self, s: Session, new: list[tuple[int, Entry, int]], ttl: float, now: float,
                          results: list[StoreResult | None]) -> None:
+        """Copy new blocks in, head first, in chunks the host tier can hold: a batch larger than
+        the host tier streams through it (earlier chunks spill as later ones arrive)."""
+        t = self._t
+        chunk = max(1, t.host.capacity_bytes // s.block_bytes)
+        for lo in range(0, len(new), chunk):
+            stored = await self._store_chunk(s, new[lo:lo + chunk], ttl, now, results)
+            if not stored:
+                for i, e, _ in new[lo + chunk:]:
+                    t.index.remove(e)
+                    results[i] = StoreResult(StoreStatus.NOT_STORED, message="no room in the host tier")
+                return
+
+    async def _store_chunk(self, s: Session, new: list[tuple[int, Entry, int]], ttl: float, now: float,
+                           results: list[StoreResult | None]) -> bool:
+        """Store what fits of one chunk; False when some of it did not fit."""
         t = self._t
         size = s.block_bytes
         # head first: when only part of the chain fits, keep its prefix
@@ -223,10 +253,13 @@ class BlockCache:
             fit = 0
         for i, e, _ in new[fit:]:
             t.index.remove(e)
-            results[i] = StoreResult(StoreStatus.NOT_STORED, message="host tier full of pinned blocks")
+            results[i] = StoreResult(
+                StoreStatus.NOT_STORED,
+                message=f"host tier has room for {fit} of {len(new)} blocks: the rest of it is pinned by loads or prefetches")
+        complete = fit == len(new)
         new = new[:fit]
         if not new:
-            return
+            return complete
         loop = asyncio.get_running_loop()
         try:
             rows, sums = await loop.run_in_executor(self._copy_pool, _gather_with_checksums, s.memory, [b for _, _, b in new])
@@ -244,6 +277,7 @@ class BlockCache:
         for i, e, _ in new:
             self.stats.bump(s.namespace, "stores")
             results[i] = await self._retain_one(e, ttl, now, StoreStatus.STORED) if ttl else StoreResult(StoreStatus.STORED)
+        return complete
 
     async def _retain_one(self, e: Entry, ttl: float, now: float, status: StoreStatus) -> StoreResult:
         if not ttl:
@@ -300,7 +334,9 @@ class BlockCache:
         # take memory buffers now: a queued spill may finish (and let go of them) while disk reads run
         mem_of = {id(e): e.memory_buf() for _, _, e in found}
         on_disk = [(i, b, e) for i, b, e in found if mem_of[id(e)] is None]
-        reads = await asyncio.gather(*(t.read_from_disk(e) for _, _, e in on_disk), return_exceptions=True)
+        bufs = _read_buffers(s.memory, len(on_disk))
+        reads = await asyncio.gather(*(t.read_from_disk(e, out) for (_, _, e), out in zip(on_disk, bufs)),
+                                     return_exceptions=True)
         read_of = {id(e): r for (_, _, e), r in zip(on_disk, reads)}
         srcs: list[torch.Tensor] = []
         ids: list[int] = []
@@ -345,7 +381,9 @@ class BlockCache:
                 to_read.append((len(out), e))
                 out.append(PrefetchStatus.STAGED)
         try:
-            reads = await asyncio.gather(*(t.read_from_disk(e) for _, e in to_read), return_exceptions=True)
+            bufs = _read_buffers(s.memory, len(to_read))
+            reads = await asyncio.gather(*(t.read_from_disk(e, out) for (_, e), out in zip(to_read, bufs)),
+                                         return_exceptions=True)
             for (pos, e), r in zip(to_read, reads):
                 if isinstance(r, BaseException):
                     out[pos] = PrefetchStatus.FAILED

@@ -35,6 +35,8 @@ FLAGS: dict[str, tuple[str, str, str]] = {
     "writer_threads": ("--writer-threads", "N", "disk writer threads"),
     "reader_threads": ("--reader-threads", "N", "disk reader threads"),
     "io_backend": ("--io-backend", "BACKEND", "auto | posix | kvikio"),
+    "disk_read_bytes_per_second": ("--disk-read-bytes-per-second", "SIZE", "cap disk reads, e.g. 200MiB; 0: no cap"),
+    "disk_write_bytes_per_second": ("--disk-write-bytes-per-second", "SIZE", "cap disk writes, e.g. 200MiB; 0: no cap"),
     "lease_seconds": ("--lease-seconds", "SECONDS", "reap a session after this long without a heartbeat"),
     "pin_lease_seconds": ("--pin-lease-seconds", "SECONDS", "how long prefetched blocks stay pinned"),
     "max_batch_blocks": ("--max-batch-blocks", "N", "blocks per data RPC"),

@@ -43,6 +43,8 @@ class Config:
     writer_threads: int = 4
     reader_threads: int = 4
     io_backend: str = "auto"  # "auto" | "posix" | "kvikio"
+    disk_read_bytes_per_second: int = 0  # cap on disk tier reads (shared disk); 0: unlimited
+    disk_write_bytes_per_second: int = 0  # cap on spills and header rewrites; 0: unlimited
     # --- sessions and limits
     lease_seconds: float = 5.0  # a session without a heartbeat for this long is reaped
     pin_lease_seconds: float = 10.0  # prefetched blocks stay pinned this long unless loaded
@@ -148,7 +150,7 @@ def parse_seconds(value: object) -> float:
 def _coerce(name: str, value: object) -> object:
     """Turn a TOML value, an environment string or a flag value into the field's type."""
     kind = _field_type(name)
-    if name.endswith("_bytes"):
+    if name.endswith(("_bytes", "_bytes_per_second")):
         return parse_bytes(value)
     if name.endswith("_seconds"):
         return parse_seconds(value)
@@ -306,7 +308,7 @@ def validate_config(cfg: Config) -> None:
             raise ConfigError(f"{name}: must be a positive number of seconds, got {v}")
 
     for name in _FIELDS:
-        if name.endswith("_bytes") and getattr(cfg, name) < 0:
+        if name.endswith(("_bytes", "_bytes_per_second")) and getattr(cfg, name) < 0:
             raise ConfigError(f"{name}: must not be negative, got {getattr(cfg, name)}")
     at_least("host_capacity_bytes", 1)
     m = _MIN_REUSE.match(cfg.admission_gate)

@@ -4,6 +4,7 @@ orders eviction reads (an LRU of unmarked blocks, and retained blocks by deadlin
 Primitives:
   reserve(entry) / unreserve(entry)   account bytes of a spill queued for writing
   commit(entry)                       the block file is complete: the entry is on disk
+  adopt(entry)                        a complete block file found at restart
   release(entry)                      the block file is gone (evicted, corrupt, admin)
   touch(chain) / mark_retained(e)     refresh LRU order; move an entry to the retained order
 The files themselves are written and read by the cache through block_file / io_backend.
@@ -50,6 +51,12 @@ class DiskTier:
         if self.queued.pop(id(entry), None) is not None:
             self.used_bytes -= entry.size
             entry.disk = DiskState.NONE
+
+    def adopt(self, entry: Entry) -> None:
+        """A complete block file found at restart."""
+        self.used_bytes += entry.size
+        self.queued[id(entry)] = entry
+        self.commit(entry)
 
     def commit(self, entry: Entry) -> None:
         del self.queued[id(entry)]

@@ -7,8 +7,9 @@ Primitives:
 
 A block's bytes are the concatenation of its row in every region, in region order, so both
 block-contiguous (one region) and layer-first (2 x layers regions) pools work with one copy
-per region per batch. CPU hosts register POSIX shared memory by name; the CUDA IPC
-implementation (GPU hosts) fills the same interface.
+per region per batch. CPU hosts register POSIX shared memory by name; GPU hosts register a
+CUDA IPC handle (cuda_memory.CudaEngineMemory, which returns gather's rows as a list of pinned
+row tensors rather than one [B, block_bytes] tensor: either indexes as rows[k]).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class EngineMemory(Protocol):
     block_bytes: int
     num_blocks: int
 
-    def gather(self, block_ids: Sequence[int]) -> torch.Tensor: ...
+    def gather(self, block_ids: Sequence[int]) -> torch.Tensor | Sequence[torch.Tensor]: ...
 
     def scatter(self, block_ids: Sequence[int], srcs: Sequence[torch.Tensor]) -> None: ...
 
@@ -144,6 +145,7 @@ def open_engine_memory(spec: PoolSpec) -> EngineMemory:
     if spec.kind == "shm":
         return ShmEngineMemory(spec)
     if spec.kind == "cuda":
-        raise CacheError(ErrorCode.FAILED_PRECONDITION,
-                         "this daemon has no CUDA data path yet; register a shared-memory pool")
+        from kvservice.cuda_memory import CudaEngineMemory  # lazy: CPU hosts never load CUDA libraries
+
+        return CudaEngineMemory(spec)
     raise CacheError(ErrorCode.INVALID_ARGUMENT, f"unknown pool kind {spec.kind!r}")

@@ -78,8 +78,7 @@ class Tiers:
             e = Entry(key, meta.payload_len, meta.checksum, meta.stored_at, deadline=meta.deadline,
                       reuse=meta.reuse, disk_path=path, disk_deadline=meta.deadline)
             self.index.add(e)
-            self.disk.used_bytes += e.size
-            self.disk.commit(e)
+            self.disk.adopt(e)
             self.retention.track(e)
         # a smaller capacity than last run: evict in the usual order until it fits
         if self.disk.free_bytes < 0:
@@ -248,11 +247,12 @@ class Tiers:
         if e.host_buf is None and e.spill_buf is None:
             self._forget(e)
 
-    async def read_from_disk(self, e: Entry) -> torch.Tensor:
-        """Read e's payload into a new host buffer, checksum-verified. Caller holds a pin on e.
+    async def read_from_disk(self, e: Entry, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Read e's payload into `out` (a host buffer of e.size bytes; default a new one),
+        checksum-verified. Caller holds a pin on e.
         Raises BlockIOError after discarding the block and counting the failure."""
         loop = asyncio.get_running_loop()
-        out = torch.empty(e.size, dtype=torch.uint8)
+        out = torch.empty(e.size, dtype=torch.uint8) if out is None else out
         self.reads_in_flight += 1
         try:
             await loop.run_in_executor(self.reader_pool, block_file.read_payload, self.io, e.disk_path, self._meta(e), out)

@@ -7,6 +7,7 @@ real daemon through engine_client, and obeys JSON commands, one per stdin line:
   {"op": "prefetch", "numbers": [...]}              -> {"status": [...]}
   {"op": "retain", "numbers": [...], "ttl": 60}     -> {"deadline": [...]}
   {"op": "state"}                                   -> {"attached": bool, "session": str, "reattachments": n}
+  {"op": "read", "blocks": [32]}                    -> {"sha256": [hex digest of pool block 32's bytes]}
   {"op": "exit"}
 Block number i has content tests.corekit.content(i) and hash tests.corekit.h(i), so any two
 engine processes agree on what block i is. Loads land in the upper half of the pool, zeroed
@@ -17,6 +18,7 @@ first, and "exact" says whether the bytes match.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -77,6 +79,8 @@ def main() -> None:
                 reply({"deadline": list(client.retain([h(i) for i in nums], cmd["ttl"]))})
             elif op == "state":
                 reply({"attached": client.attached, "session": client.session_id, "reattachments": client.reattachments})
+            elif op == "read":  # what the pool holds now, e.g. a load target after a failed load
+                reply({"sha256": [hashlib.sha256(pool.read_block(b)).hexdigest() for b in cmd["blocks"]]})
             elif op == "exit":
                 break
             else:

@@ -1,0 +1,533 @@
+"""CUDA engine memory: the daemon's mapping of an engine's KV pool, opened from a CUDA IPC handle.
+
+Primitives (the EngineMemory protocol of engine_memory.py, plus two the cache uses when present):
+  CudaEngineMemory(spec)              open the IPC handle on the engine's device; map the pool once
+  gather_with_checksums(ids)          engine GPU -> pinned host rows, with the CRC32C of each row
+  gather(ids)                         the same rows, without checksums
+  scatter(ids, srcs)                  host rows -> engine GPU; returns once the bytes have landed
+  alloc_host(n)                       n pinned host rows (disk reads land here, then go to the GPU)
+  close()                             wait for copies in flight, close the IPC handles
+
+Ordering contract (what each side guarantees; engine_client.cuda_pool says it from the engine's side)
+  Store: the engine's kernels that wrote the blocks must be ordered before the daemon's copy. Either
+    the pool registered an interprocess event and the engine records it after those kernels, before
+    sending Store (the daemon's stream waits on it with cudaStreamWaitEvent, so the engine's host
+    thread never blocks), or the engine synchronises its stream before sending Store. The reply
+    comes after the bytes are in pinned host memory and checksummed: the blocks may be reused.
+  Load: the reply comes after the daemon synchronised its own stream, so the bytes are in the
+    engine's memory; any later engine kernel sees them, with no event needed on the engine side.
+  The engine must not write a block while a Store or Load naming it is in flight.
+
+How a batch moves (a few launches and copies per batch, never one per block per region)
+  The pool is viewed as [regions, num_blocks, row] with the widest integer element that divides
+  every offset, stride and row (int64 for real layouts); both engine_client layouts, block-contiguous
+  (1 region) and layer-first (2 x layers regions), are such a view, so one indexing kernel moves a
+  whole chunk of blocks across every region. Other region lists fall back to one kernel per region.
+  Store: per chunk, one gather kernel into a device staging tensor, then one D2H copy on a second
+  stream into a pinned chunk whose rows become host-tier buffers; the CPU checksums chunk k while
+  the DMA engine copies chunk k+1.
+  Load: sources that sit back to back in one pinned tensor (the rows of one stored or read chunk,
+  in order) coalesce into one H2D copy per run (many scattered rows: one cudaMemcpyBatchAsync);
+  then one scatter kernel per chunk on the other stream.
+  Pinned chunks hold a power-of-two number of rows: torch's pinned allocator rounds every request
+  up to a power of two bytes, so power-of-two pieces of power-of-two rows waste nothing, and freed
+  chunks are reused by the next batch of the same size class.
+
+Devices: the engine's device is found by UUID (its index may differ under another
+CUDA_VISIBLE_DEVICES). A device gets CUDA state (context, streams) only when a session registers a
+pool on it; when its last session closes, the cached staging memory is released.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from kvservice import checksum as _checksum
+from kvservice.engine_memory import _InFlight, validate_layout
+from kvservice.sessions_api import PoolSpec
+from kvservice.types import CacheError, ErrorCode
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 16 << 20  # pipeline granularity: copy chunk k+1 while checksumming / scattering chunk k
+MAX_RUN_COPIES = 16  # per chunk; more runs than this go through one cudaMemcpyBatchAsync
+CRC_THREADS = max(1, min(16, (os.cpu_count() or 2) - 2))  # ~6 GB/s each: the store's CRC must keep up with DMA
+_ELEMENT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+_lock = threading.Lock()
+_devices: dict[int, _Device] = {}
+_open_mappings = 0
+_crc_pool: ThreadPoolExecutor | None = None
+
+
+# --- CUDA runtime calls torch does not expose (IPC handles, batched copies)
+
+
+class _Runtime:
+    """cuda.bindings.runtime when installed, else CuPy's runtime module: byte handles in, ints out."""
+
+    def __init__(self) -> None:
+        try:
+            from cuda.bindings import runtime as rt
+        except ImportError:
+            rt = None
+        self._rt = rt
+        if rt is None:
+            try:
+                import cupy.cuda.runtime as cp_rt
+            except ImportError as e:
+                raise CacheError(ErrorCode.FAILED_PRECONDITION,
+                                 "opening a CUDA IPC pool needs cuda-bindings (pip install cuda-bindings) "
+                                 f"or CuPy on the daemon's host: {e}") from None
+            self._cp = cp_rt
+        self.name = "cuda.bindings" if rt is not None else "cupy"
+
+    def _ok(self, what: str, result: Any) -> Any:
+        err, *rest = result if isinstance(result, tuple) else (result,)
+        if int(err) != 0:
+            _, msg = self._rt.cudaGetErrorString(err)
+            raise RuntimeError(f"{what}: {err.name if hasattr(err, 'name') else err} ({msg.decode(errors='replace')})")
+        return rest[0] if len(rest) == 1 else rest
+
+    def set_device(self, index: int) -> None:
+        if self._rt is not None:
+            self._ok("cudaSetDevice", self._rt.cudaSetDevice(index))
+        else:
+            self._cp.setDevice(index)
+
+    def ipc_open(self, handle: bytes) -> int:
+        if self._rt is not None:
+            h = self._rt.cudaIpcMemHandle_t()
+            h.reserved = handle
+            return int(self._ok("cudaIpcOpenMemHandle", self._rt.cudaIpcOpenMemHandle(
+                h, self._rt.cudaIpcMemLazyEnablePeerAccess)))
+        return int(self._cp.ipcOpenMemHandle(handle, self._cp.cudaIpcMemLazyEnablePeerAccess))
+
+    def ipc_close(self, ptr: int) -> None:
+        if self._rt is not None:
+            self._ok("cudaIpcCloseMemHandle", self._rt.cudaIpcCloseMemHandle(ptr))
+        else:
+            self._cp.ipcCloseMemHandle(ptr)
+
+    def memcpy_batch(self, dsts: list[int], srcs: list[int], sizes: list[int], stream: int) -> bool:
+        """One cudaMemcpyBatchAsync (CUDA >= 12.8); False when this runtime has none."""
+        rt = self._rt
+        if rt is None or not hasattr(rt, "cudaMemcpyBatchAsync"):
+            return False
+        attrs = rt.cudaMemcpyAttributes()
+        attrs.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
+        self._ok("cudaMemcpyBatchAsync", rt.cudaMemcpyBatchAsync(
+            dsts, srcs, sizes, len(sizes), [attrs], [0], 1, rt.cudaStream_t(stream)))
+        return True
+
+
+_runtime: _Runtime | None = None
+_batch_copy_ok = True  # cleared the first time the batched copy API fails
+
+
+def _rt() -> _Runtime:
+    global _runtime
+    if _runtime is None:
+        _runtime = _Runtime()
+    return _runtime
+
+
+# --- devices
+
+
+class _Lane:
+    """One copy in flight owns a lane: a stream for kernels and one for DMA, so they overlap."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.kernels = torch.cuda.Stream(device)
+        self.dma = torch.cuda.Stream(device)
+
+    def synchronize(self) -> None:
+        self.kernels.synchronize()
+        self.dma.synchronize()
+
+
+class _Device:
+    """CUDA state of one device, created when the first session registers a pool on it."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.device = torch.device("cuda", index)
+        self.sessions = 0
+        self._lanes: queue.SimpleQueue[_Lane] = queue.SimpleQueue()
+
+    @contextmanager
+    def lane(self) -> Iterator[_Lane]:
+        try:
+            lane = self._lanes.get_nowait()
+        except queue.Empty:
+            lane = _Lane(self.device)
+        try:
+            yield lane
+        finally:
+            self._lanes.put(lane)
+
+
+def normalize_uuid(uuid: str) -> str:
+    """'GPU-8f1e...' and '8f1e...' name the same device."""
+    u = uuid.strip().lower()
+    return u[4:] if u.startswith("gpu-") else u
+
+
+def device_uuids() -> list[str]:
+    return [normalize_uuid(str(torch.cuda.get_device_properties(i).uuid)) for i in range(torch.cuda.device_count())]
+
+
+def resolve_device(spec: PoolSpec) -> int:
+    """The local index of the engine's device: by UUID when given (indices differ between processes
+    with different CUDA_VISIBLE_DEVICES), else by the engine's index."""
+    if not torch.cuda.is_available():
+        raise CacheError(ErrorCode.FAILED_PRECONDITION,
+                         "this daemon has no CUDA data path here: it sees no CUDA device (torch.cuda.is_available() "
+                         "is False); register a shared-memory pool, or run the daemon with the engine's GPU visible")
+    if spec.cuda_device_uuid:
+        uuids = device_uuids()
+        want = normalize_uuid(spec.cuda_device_uuid)
+        if want in uuids:
+            return uuids.index(want)
+        raise CacheError(ErrorCode.FAILED_PRECONDITION,
+                         f"pool.cuda.device_uuid {spec.cuda_device_uuid} is not one of this daemon's CUDA devices "
+                         f"({', '.join(uuids)}); check the daemon's CUDA_VISIBLE_DEVICES")
+    n = torch.cuda.device_count()
+    if not 0 <= spec.cuda_device_index < n:
+        raise CacheError(ErrorCode.INVALID_ARGUMENT,
+                         f"pool.cuda.device_index {spec.cuda_device_index} is not one of this daemon's {n} CUDA devices")
+    return spec.cuda_device_index
+
+
+def _acquire_device(index: int) -> _Device:
+    with _lock:
+        d = _devices.get(index)
+        if d is None:
+            d = _devices[index] = _Device(index)
+            log.info("CUDA device %d (%s) in use: first pool registered on it", index, torch.cuda.get_device_name(index))
+        d.sessions += 1
+        return d
+
+
+def _release_device(d: _Device) -> None:
+    with _lock:
+        d.sessions -= 1
+        last = d.sessions == 0
+    if last:
+        with torch.cuda.device(d.index):
+            torch.cuda.empty_cache()  # staging memory of this device's copies goes back to the driver
+
+
+def open_mappings() -> int:
+    """IPC mappings this process holds open (the leak check reads it from the log)."""
+    return _open_mappings
+
+
+# --- batch shapes
+
+
+def chunk_rows(n: int, row_bytes: int, chunk_bytes: int = 0) -> list[int]:
+    """Rows of each piece a batch of n rows moves in: full chunks of the largest power of two rows
+    within chunk_bytes, then the remainder as descending powers of two (see the module docstring)."""
+    per = 1 << max(0, ((chunk_bytes or CHUNK_BYTES) // max(1, row_bytes)).bit_length() - 1)
+    out = [per] * (n // per)
+    rest = n % per
+    while rest:
+        p = 1 << (rest.bit_length() - 1)
+        out.append(p)
+        rest -= p
+    return out
+
+
+def element_bytes(spec: PoolSpec, base_ptr: int = 0) -> int:
+    """The widest of 8, 4, 2, 1 bytes that divides every offset, stride and row of the layout."""
+    for e in (8, 4, 2, 1):
+        if base_ptr % e == 0 and all(r.offset % e == 0 and r.block_stride % e == 0 and r.block_bytes % e == 0
+                                     for r in spec.regions):
+            return e
+    return 1
+
+
+def uniform_layout(spec: PoolSpec) -> bool:
+    """Regions of one width and stride at evenly spaced offsets: one [R, N, row] strided view."""
+    rs = spec.regions
+    if len(rs) == 1:
+        return True
+    delta = rs[1].offset - rs[0].offset
+    return delta > 0 and all(r.block_bytes == rs[0].block_bytes and r.block_stride == rs[0].block_stride
+                             and r.offset == rs[0].offset + i * delta for i, r in enumerate(rs))
+
+
+def host_runs(srcs: Sequence[torch.Tensor], row_bytes: int) -> list[tuple[int, int, torch.Tensor | None]]:
+    """Group per-block host buffers into runs that are back to back in one base tensor, in batch order.
+    Returns (first position, rows, flat uint8 base or None for a lone buffer); a run's bytes start at
+    srcs[first].data_ptr()."""
+    runs: list[tuple[int, int, torch.Tensor | None]] = []
+    prev_base: torch.Tensor | None = None
+    prev_end = -1
+    for i, s in enumerate(srcs):
+        if s.nbytes != row_bytes or s.is_cuda:
+            raise ValueError(f"source #{i} is not a host buffer of {row_bytes} bytes")
+        base = s._base
+        p = s.data_ptr()
+        if base is not None and base is prev_base and p == prev_end:
+            first, n, b = runs[-1]
+            runs[-1] = (first, n + 1, b)
+        else:
+            runs.append((i, 1, base if base is not None and base.is_contiguous() else None))
+            prev_base = base if base is not None and base.is_contiguous() else None
+        prev_end = p + row_bytes
+    return runs
+
+
+def _pinned(shape: tuple[int, int]) -> torch.Tensor:
+    return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
+
+
+def _crc_rows(ptr: int, n: int, row_bytes: int) -> list[int]:
+    fn = _checksum._extend_gil_free
+    if fn is None:
+        buf = (ctypes.c_uint8 * (n * row_bytes)).from_address(ptr)
+        return [_checksum.checksum(memoryview(buf)[i * row_bytes:(i + 1) * row_bytes]) for i in range(n)]
+    return [int(fn(0, ptr + i * row_bytes, row_bytes)) for i in range(n)]
+
+
+def _crc_executor() -> ThreadPoolExecutor:
+    global _crc_pool
+    with _lock:
+        if _crc_pool is None:
+            _crc_pool = ThreadPoolExecutor(CRC_THREADS, thread_name_prefix="kv-crc")
+        return _crc_pool
+
+
+class _DevicePointer:
+    """Hands a raw device pointer to torch.as_tensor without a copy; the tensor keeps this alive."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 3, "strides": None}
+
+
+# --- the mapping
+
+
+class CudaEngineMemory:
+    """An engine's CUDA KV pool, mapped once per session through its IPC handle."""
+
+    def __init__(self, spec: PoolSpec) -> None:
+        global _open_mappings
+        validate_layout(spec)
+        index = resolve_device(spec)
+        rt = _rt()
+        self.spec = spec
+        self.num_blocks = spec.num_blocks
+        self.block_bytes = spec.block_bytes
+        self._dev = _acquire_device(index)
+        self._inflight = _InFlight()
+        self._ptr = 0
+        try:
+            with torch.cuda.device(index):
+                rt.set_device(index)
+                try:
+                    self._ptr = rt.ipc_open(bytes(spec.cuda_handle))
+                except Exception as e:
+                    raise CacheError(ErrorCode.FAILED_PRECONDITION,
+                                     f"cannot open the pool's CUDA IPC handle on device {index}: {e} (the pool must be "
+                                     "a cudaMalloc allocation of a live process other than the daemon)") from None
+                with _lock:
+                    _open_mappings += 1
+                base = torch.as_tensor(_DevicePointer(self._ptr, spec.size), device=self._dev.device)
+                if base.data_ptr() != self._ptr:
+                    raise RuntimeError("torch copied the IPC mapping instead of viewing it")
+                self._event = (torch.cuda.Event.from_ipc_handle(self._dev.device, bytes(spec.cuda_event_handle))
+                               if spec.cuda_event_handle else None)
+                self._plan(base)
+        except BaseException:
+            self._release()
+            raise
+        log.info("CUDA pool mapped on device %d: %d blocks x %d bytes in %d region(s), %s, store event %s; "
+                 "open mappings: %d", index, spec.num_blocks, spec.block_bytes, len(spec.regions),
+                 "one view" if self._uniform else "per-region views", "yes" if self._event else "no", _open_mappings)
+
+    def _plan(self, base: torch.Tensor) -> None:
+        spec = self.spec
+        e = element_bytes(spec, self._ptr)
+        self._dtype = _ELEMENT[e]
+        self._row = spec.block_bytes // e
+        flat = base[: spec.size - spec.size % e].view(self._dtype)
+        self._uniform = uniform_layout(spec)
+        rs = spec.regions
+        if self._uniform:
+            delta = (rs[1].offset - rs[0].offset) // e if len(rs) > 1 else 0
+            self._view3 = flat.as_strided((len(rs), spec.num_blocks, rs[0].block_bytes // e),
+                                          (delta, rs[0].block_stride // e, 1), rs[0].offset // e)
+            self._region_ids = torch.arange(len(rs), device=base.device).view(1, -1)
+            self._views: list[torch.Tensor] = []
+        else:
+            self._views = [flat.as_strided((spec.num_blocks, r.block_bytes // e), (r.block_stride // e, 1), r.offset // e)
+                           for r in rs]
+        self._base = base
+
+    # --- device-side gather/scatter of one chunk (on the current stream)
+    def _gather_dev(self, idx: torch.Tensor) -> torch.Tensor:
+        """[n, row] device tensor of the blocks idx, in the pool's element dtype."""
+        if self._uniform:
+            if self._view3.shape[0] == 1:
+                return self._view3[0].index_select(0, idx)
+            return self._view3[self._region_ids, idx.view(-1, 1)].view(idx.numel(), self._row)
+        out = torch.empty((idx.numel(), self._row), dtype=self._dtype, device=idx.device)
+        col = 0
+        for v in self._views:
+            out[:, col:col + v.shape[1]] = v.index_select(0, idx)
+            col += v.shape[1]
+        return out
+
+    def _scatter_dev(self, idx: torch.Tensor, rows: torch.Tensor) -> None:
+        if self._uniform:
+            if self._view3.shape[0] == 1:
+                self._view3[0].index_copy_(0, idx, rows)
+            else:
+                self._view3.index_put_((self._region_ids, idx.view(-1, 1)), rows.view(idx.numel(), *self._view3.shape[::2]))
+            return
+        col = 0
+        for v in self._views:
+            v.index_copy_(0, idx, rows[:, col:col + v.shape[1]])
+            col += v.shape[1]
+
+    # --- EngineMemory
+    def alloc_host(self, n: int) -> list[torch.Tensor]:
+        """n pinned host rows of block_bytes, back to back in power-of-two chunks."""
+        rows: list[torch.Tensor] = []
+        with torch.cuda.device(self._dev.index):  # pinned memory belongs to a context: this device's
+            for k in chunk_rows(n, self.block_bytes):
+                rows.extend(_pinned((k, self.block_bytes)).unbind(0))
+        return rows
+
+    def gather(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
+        return self._gather(block_ids, with_checksums=False)[0]
+
+    def gather_with_checksums(self, block_ids: Sequence[int]) -> tuple[list[torch.Tensor], list[int]]:
+        return self._gather(block_ids, with_checksums=True)
+
+    def _gather(self, block_ids: Sequence[int], with_checksums: bool) -> tuple[list[torch.Tensor], list[int]]:
+        bb = self.block_bytes
+        pieces = chunk_rows(len(block_ids), bb)
+        with self._inflight, torch.cuda.device(self._dev.index), self._dev.lane() as lane:
+            try:
+                with torch.cuda.stream(lane.kernels):
+                    if self._event is not None:
+                        lane.kernels.wait_event(self._event)  # the engine's writes to these blocks come first
+                    idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self._dev.device)
+                hosts, done = [], []
+                lo = 0
+                for k in pieces:
+                    host = _pinned((k, bb))
+                    with torch.cuda.stream(lane.kernels):
+                        staged = self._gather_dev(idx[lo:lo + k])
+                    lane.dma.wait_stream(lane.kernels)
+                    with torch.cuda.stream(lane.dma):
+                        host.view(self._dtype).copy_(staged, non_blocking=True)
+                        staged.record_stream(lane.dma)  # its memory is reused only after this copy
+                        done.append(lane.dma.record_event())
+                    del staged
+                    hosts.append(host)
+                    lo += k
+                sums: list[int] = []
+                futures = []
+                pool = _crc_executor() if with_checksums else None
+                for host, ev in zip(hosts, done):
+                    ev.synchronize()
+                    if pool is not None:
+                        n = host.shape[0]
+                        step = max(1, -(-n // CRC_THREADS))
+                        futures += [pool.submit(_crc_rows, host.data_ptr() + a * bb, min(step, n - a), bb)
+                                    for a in range(0, n, step)]
+                for f in futures:
+                    sums.extend(f.result())
+            finally:
+                lane.synchronize()
+        rows = [r for h in hosts for r in h.unbind(0)]
+        return rows, sums
+
+    def scatter(self, block_ids: Sequence[int], srcs: Sequence[torch.Tensor]) -> None:
+        bb = self.block_bytes
+        if len(block_ids) != len(srcs):
+            raise ValueError(f"{len(block_ids)} block ids but {len(srcs)} source buffers")
+        with self._inflight, torch.cuda.device(self._dev.index), self._dev.lane() as lane:
+            try:
+                with torch.cuda.stream(lane.kernels):
+                    idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self._dev.device)
+                lo = 0
+                for k in chunk_rows(len(block_ids), bb):
+                    with torch.cuda.stream(lane.dma):
+                        staged = torch.empty((k, self._row), dtype=self._dtype, device=self._dev.device)
+                        self._copy_in(staged, srcs[lo:lo + k], lane.dma)
+                    lane.kernels.wait_stream(lane.dma)
+                    with torch.cuda.stream(lane.kernels):
+                        self._scatter_dev(idx[lo:lo + k], staged)
+                        staged.record_stream(lane.kernels)
+                    del staged
+                    lo += k
+            finally:
+                lane.synchronize()  # the Load reply promises the bytes are in the engine's memory
+
+    def _copy_in(self, staged: torch.Tensor, srcs: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> None:
+        """H2D of one chunk's host rows into staged, one copy per run of back-to-back rows."""
+        global _batch_copy_ok
+        bb = self.block_bytes
+        runs = host_runs(srcs, bb)
+        if len(runs) > MAX_RUN_COPIES and _batch_copy_ok:
+            base = staged.data_ptr()
+            try:
+                if _rt().memcpy_batch([base + i * bb for i in range(len(srcs))], [s.data_ptr() for s in srcs],
+                                      [bb] * len(srcs), stream.cuda_stream):
+                    return
+            except Exception as e:  # an older driver or runtime: fall back to one copy per run
+                log.warning("cudaMemcpyBatchAsync failed (%s); using one copy per run from now on", e)
+            _batch_copy_ok = False
+        flat_dst = staged.view(-1)
+        e = staged.element_size()
+        for first, n, base in runs:
+            dst = flat_dst[first * (bb // e):(first + n) * (bb // e)]
+            if base is None:
+                src = srcs[first].reshape(-1).view(torch.uint8)
+            else:
+                flat = base.view(-1).view(torch.uint8)
+                start = srcs[first].data_ptr() - base.data_ptr()
+                src = flat[start:start + n * bb]
+            dst.copy_(src.view(self._dtype), non_blocking=True)
+
+    def close(self) -> None:
+        if self._inflight.closed:
+            return
+        self._inflight.close_when_idle()
+        self._release()
+        log.info("CUDA pool unmapped from device %d; open mappings: %d", self._dev.index, _open_mappings)
+
+    def _release(self) -> None:
+        global _open_mappings
+        # every tensor over the mapping goes before the handle closes
+        self._view3 = self._views = self._region_ids = self._base = None  # type: ignore[assignment]
+        self._event = None
+        if self._ptr:
+            try:
+                with torch.cuda.device(self._dev.index):
+                    _rt().set_device(self._dev.index)
+                    _rt().ipc_close(self._ptr)
+            except Exception as e:
+                log.error("closing the CUDA IPC mapping on device %d failed: %s", self._dev.index, e)
+            self._ptr = 0
+            with _lock:
+                _open_mappings -= 1
+        _release_device(self._dev)

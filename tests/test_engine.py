@@ -1,0 +1,410 @@
+"""The reference engine end to end: tiny float32 model on CPU, a real kvservice daemon subprocess.
+
+The correctness bar throughout: greedy tokens are the same whether a prefix was computed here,
+hit in the GPU tier, or loaded from the daemon's host or disk tier.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from kvservice.cli import FLAGS
+from kvservice.v1 import kvcache_pb2
+from model_runner.config import EngineConfig
+from model_runner.engine import Engine, GenerationRequest, GenerationResult
+from model_runner.scheduler import CostModel
+from tests.daemon_kit import Daemon
+
+TPB = 16
+BLOCK_BYTES = 2 * 2 * TPB * 2 * 16 * 4  # tiny preset: layers * (K, V) * tpb * kv_heads * head_dim * float32
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def wait_until(pred: Callable[[], object], timeout: float = 15.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def run(engine: Engine, ids: list[int], max_tokens: int = 6, **kw: object) -> GenerationResult:
+    return engine.submit(GenerationRequest(list(ids), max_tokens=max_tokens, **kw)).result(timeout=60)
+
+
+def reference(ids: list[int], max_tokens: int = 6) -> list[int]:
+    """Greedy tokens computed from scratch by a fresh engine without a service."""
+    with Engine(EngineConfig(num_gpu_blocks=64)) as e:
+        r = run(e, ids, max_tokens)
+    assert r.kv_source == "none" and r.cached_tokens == 0
+    return r.output_ids
+
+
+@pytest.fixture
+def engines() -> Iterator[Callable[..., Engine]]:
+    made: list[Engine] = []
+
+    def make(service: str = "", **kw: object) -> Engine:
+        e = Engine(EngineConfig(service=service, **kw))  # type: ignore[arg-type]
+        e.start()
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.stop()
+
+
+@pytest.fixture
+def daemon(request: pytest.FixtureRequest) -> Iterator[Daemon]:
+    """A daemon; tests pass Daemon kwargs with @pytest.mark.parametrize(..., indirect) or use the default."""
+    d = Daemon(**getattr(request, "param", {})).start()
+    yield d
+    d.close()
+
+
+@pytest.fixture(scope="module")
+def shared() -> Iterator[Daemon]:
+    """One default daemon for the tests that need nothing special (starting one costs a second or two).
+    Their prompts are distinct and their counter checks are deltas, so they do not see each other."""
+    d = Daemon(host_capacity="4MiB", disk_capacity="8MiB").start()
+    yield d
+    d.close()
+
+
+def stored_blocks(d: Daemon) -> int:
+    return d.stats().counters.stores
+
+
+# --- (1) same tokens whatever tier the prefix came from
+
+
+def test_gpu_tier_hit_gives_the_same_tokens(engines: Callable[..., Engine]) -> None:
+    """Scenario: no service. The same prompt twice: the second request reuses the prompt's full blocks
+    from the GPU radix tree (all but the last partial block) and produces the same greedy tokens."""
+    ids = tokens(1, 5 * TPB + 7)
+    e = engines(num_gpu_blocks=32)
+    first, second = run(e, ids), run(e, ids)
+    assert first.kv_source == "none" and first.cached_tokens == 0
+    assert second.kv_source == "gpu" and second.cached_by_tier == {"gpu": 5 * TPB, "host": 0, "disk": 0}
+    assert second.cached_tokens == 5 * TPB and second.prompt_tokens == len(ids)
+    assert first.output_ids == second.output_ids == reference(ids)
+    assert 0 < second.ttft_s <= second.total_s
+
+
+def test_prompt_of_whole_blocks_still_computes_its_last_token(engines: Callable[..., Engine]) -> None:
+    """Scenario: a prompt of exactly 4 blocks, twice. The last block is never reused (its last token's
+    logits give the first output token), so the hit is 3 blocks and the tokens match."""
+    ids = tokens(2, 4 * TPB)
+    e = engines(num_gpu_blocks=32)
+    run(e, ids)
+    again = run(e, ids)
+    assert again.cached_tokens == 3 * TPB
+    assert again.output_ids == reference(ids)
+
+
+def test_host_tier_load_gives_the_same_tokens(shared: Daemon, engines: Callable[..., Engine]) -> None:
+    """Scenario: engine A computes a prompt and writes it through; a fresh engine B on the same daemon
+    loads the prefix from the host tier and produces the same tokens as a from-scratch run."""
+    ids = tokens(3, 6 * TPB + 3)
+    a = engines(shared.target)
+    assert run(a, ids).kv_source == "none"
+    a.stop()  # flushes write-through
+    b = engines(shared.target, load_policy="always")
+    r = run(b, ids)
+    assert r.kv_source == "loaded"
+    assert r.cached_by_tier == {"gpu": 0, "host": 6 * TPB, "disk": 0}
+    assert r.output_ids == reference(ids)
+
+
+@pytest.mark.parametrize("daemon", [{"host_capacity": "64KiB"}], indirect=True)
+def test_disk_tier_load_gives_the_same_tokens(daemon: Daemon, engines: Callable[..., Engine]) -> None:
+    """Scenario: the daemon's host tier holds 8 blocks. Engine A writes through a 7-block prompt, then an
+    8-block one that pushes the first to disk; engine B loads the first from disk: same tokens."""
+    ids = tokens(4, 7 * TPB + 9)
+    a = engines(daemon.target)
+    run(a, ids)
+    run(a, tokens(40, 8 * TPB + 3), max_tokens=2)
+    a.stop()
+    wait_until(lambda: daemon.stats().counters.spills >= 7, what="spills to disk")
+    b = engines(daemon.target, load_policy="always")
+    r = run(b, ids)
+    assert r.kv_source == "loaded" and r.cached_tokens == 7 * TPB
+    assert r.cached_by_tier["disk"] > 0 and r.cached_by_tier["gpu"] == 0
+    assert r.output_ids == reference(ids)
+
+
+def test_policy_never_recomputes_with_the_same_tokens(shared: Daemon, engines: Callable[..., Engine]) -> None:
+    """Scenario: the daemon holds the prefix, but engine B has load_policy="never": it recomputes,
+    reuses nothing, and produces the same tokens."""
+    ids = tokens(5, 4 * TPB + 1)
+    a = engines(shared.target)
+    run(a, ids)
+    a.stop()
+    b = engines(shared.target, load_policy="never")
+    r = run(b, ids)
+    assert r.kv_source == "none" and r.cached_tokens == 0
+    assert r.output_ids == reference(ids)
+
+
+# --- (2) two engines, one namespace
+
+
+def test_second_engine_reuses_the_first_engines_system_prompt(shared: Daemon,
+                                                               engines: Callable[..., Engine]) -> None:
+    """Scenario: two live engines of one model share a shared. A serves system prompt + user 1; B then
+    serves system prompt + user 2 and loads the system prompt's blocks instead of computing them."""
+    system = tokens(6, 5 * TPB)
+    u1, u2 = system + tokens(7, 20), system + tokens(8, 25)
+    a, b = engines(shared.target), engines(shared.target)
+    assert a.namespace == b.namespace
+    base = stored_blocks(shared)
+    run(a, u1)
+    wait_until(lambda: stored_blocks(shared) >= base + 5, what="A's write-through")
+    r = run(b, u2)
+    assert r.kv_source == "loaded" and r.cached_tokens == 5 * TPB
+    assert r.output_ids == reference(u2)
+
+
+# --- (3) a parked request does not stall the others; load vs recompute by measured cost
+
+
+def _has_flag(flag: str) -> bool:
+    return any(spec[0] == flag for spec in FLAGS.values())
+
+
+@pytest.mark.skipif(not _has_flag("--disk-read-bytes-per-second"),
+                    reason="kvservice serve has no --disk-read-bytes-per-second yet")
+@pytest.mark.parametrize("daemon", [{"host_capacity": "128KiB",
+                                     "extra": ["--disk-read-bytes-per-second", "96KiB"]}], indirect=True)
+def test_parked_request_does_not_stall_others(daemon: Daemon, engines: Callable[..., Engine]) -> None:
+    """Scenario: disk reads at 96 KiB/s. A long prompt's 12 blocks sit on disk; engine B parks it
+    while they load (about a second) and meanwhile serves a short request to the end. Having measured
+    that disk, B later recomputes another disk-resident prefix instead of loading it ("recomputed:cheaper")."""
+    long_ids, other_ids, short_ids = tokens(9, 12 * TPB + 5), tokens(10, 12 * TPB + 5), tokens(11, 20)
+    a = engines(daemon.target)
+    run(a, long_ids, max_tokens=2)
+    run(a, other_ids, max_tokens=2)
+    run(a, tokens(41, 16 * TPB + 3), max_tokens=2)  # fills the 16-block host tier: the others go to disk
+    a.stop()
+    wait_until(lambda: daemon.stats().counters.spills >= 24, what="spills to disk")
+
+    b = engines(daemon.target, prefetch_reqs=0)  # load_policy "auto": nothing measured yet, so it loads
+    parked = b.submit(GenerationRequest(long_ids, max_tokens=4))
+    wait_until(lambda: b.health()["parked"] == 1, what="the long request to park")
+    short = b.submit(GenerationRequest(short_ids, max_tokens=4)).result(timeout=30)
+    assert not parked.done() and b.health()["parked"] == 1
+    assert short.output_ids == reference(short_ids, 4)
+
+    r = parked.result(timeout=60)
+    assert r.kv_source == "loaded" and r.cached_by_tier["disk"] > 0
+    assert r.output_ids == reference(long_ids, 4)
+    assert r.ttft_s > short.total_s
+
+    again = run(b, other_ids, max_tokens=4)
+    assert again.kv_source == "recomputed:cheaper" and again.cached_tokens == 0
+    assert again.output_ids == reference(other_ids, 4)
+    assert b.registry.get_sample_value("model_runner_load_decisions_total", {"decision": "recompute"}) == 1
+
+
+def test_cost_model_loads_the_prefix_that_saves_the_most_time() -> None:
+    """Scenario: 1 GFLOP per block of recompute at 1 GFLOP/s (1 s a block). Host loads take 0.1 s a
+    block, disk 4 s: load the host blocks, recompute from the first disk block on. Before anything
+    is measured, load everything (that is how the estimates get measured)."""
+    cm = CostModel(lambda n, ctx: n / TPB * 1e9)
+    host, disk = kvcache_pb2.TIER_HOST, kvcache_pb2.TIER_DISK
+    assert cm.plan([host, disk], BLOCK_BYTES, TPB, 0) == 2
+    assert cm.flops_per_s is None and cm.bandwidth == {}
+    cm.observe_prefill(TPB, 0, 1.0)
+    cm.observe_load([host], BLOCK_BYTES, 0.1)
+    cm.observe_load([disk, disk], BLOCK_BYTES, 8.0)
+    assert cm.bandwidth[disk] == pytest.approx(BLOCK_BYTES / 4.0)
+    assert cm.plan([host, host, disk, disk], BLOCK_BYTES, TPB, 0) == 2
+    assert cm.plan([disk, host], BLOCK_BYTES, TPB, 0) == 0
+    cm.observe_load([host, disk], BLOCK_BYTES, 4.1)  # mixed: the host share is known, the rest is disk's
+    assert cm.bandwidth[disk] == pytest.approx(BLOCK_BYTES / 4.0)
+    fresh = CostModel(lambda n, ctx: 1.0)
+    fresh.observe_load([host, disk], BLOCK_BYTES, 2.0)  # nothing known: all of it is charged to disk
+    assert fresh.bandwidth == {disk: pytest.approx(BLOCK_BYTES / 2.0)}
+
+
+# --- prefetch for queued requests
+
+
+@pytest.mark.parametrize("daemon", [{"host_capacity": "64KiB"}], indirect=True)
+def test_queued_request_is_prefetched(daemon: Daemon, engines: Callable[..., Engine]) -> None:
+    """Scenario: max_running=1, so a request whose prefix sits on disk queues behind a long decode;
+    the engine prefetches its blocks into the host tier while it waits, then loads them."""
+    ids = tokens(12, 6 * TPB + 3)
+    a = engines(daemon.target)
+    run(a, ids)
+    run(a, tokens(42, 8 * TPB + 3), max_tokens=2)
+    a.stop()
+    wait_until(lambda: daemon.stats().counters.spills >= 6, what="spills to disk")
+    b = engines(daemon.target, max_running=1, load_policy="always")
+    busy = b.submit(GenerationRequest(tokens(13, 30), max_tokens=60))
+    queued = b.submit(GenerationRequest(ids, max_tokens=6))
+    r = queued.result(timeout=60)
+    busy.result(timeout=60)
+    assert b.registry.get_sample_value("model_runner_prefetches_total") == 1
+    assert daemon.stats().counters.prefetch_staged > 0
+    assert r.kv_source == "loaded" and r.cached_tokens == 6 * TPB
+    assert r.output_ids == reference(ids)
+
+
+# --- (4) the daemon dies mid-run
+
+
+def test_engine_survives_daemon_crash_and_reattaches(daemon: Daemon, engines: Callable[..., Engine]) -> None:
+    """Scenario: kill -9 the daemon under a running engine. New prompts are recomputed
+    ("recomputed:service-down", same tokens), GPU-tier hits keep working; after a restart on the same
+    directory the engine re-attaches by itself and write-through reaches the daemon again."""
+    p1, p2, p3 = tokens(14, 3 * TPB + 2), tokens(15, 4 * TPB + 2), tokens(16, 3 * TPB + 5)
+    e = engines(daemon.target)
+    assert run(e, p1).kv_source == "none" and e.health()["service_attached"]
+    daemon.kill9()
+    r2 = run(e, p2)
+    assert r2.kv_source == "recomputed:service-down" and r2.output_ids == reference(p2)
+    assert not e.health()["service_attached"]
+    assert run(e, p1).kv_source == "gpu"
+
+    daemon.start()
+    wait_until(lambda: e.health()["service_attached"], timeout=20, what="re-attach")
+    run(e, p3)
+    e.stop()
+    fresh = engines(daemon.target, load_policy="always")
+    r3 = run(fresh, p3)
+    assert r3.kv_source == "loaded" and r3.cached_tokens == 3 * TPB
+    assert r3.output_ids == reference(p3)
+
+
+# --- (5) GPU-tier eviction offloads to the daemon
+
+
+def test_evicted_gpu_blocks_come_back_from_the_daemon(shared: Daemon, engines: Callable[..., Engine]) -> None:
+    """Scenario: an 8-block GPU tier and no write-through. A (6 blocks reserved, 5 cached after) then B
+    (another 6) forces 3 of A's blocks out: they are offloaded to the daemon before reuse. A again
+    hits its first 2 blocks in the GPU tier and loads the other 3 back: same tokens."""
+    pa, pb = tokens(17, 5 * TPB + 10), tokens(18, 5 * TPB + 10)
+    e = engines(shared.target, num_gpu_blocks=8, write_through=False, load_policy="always")
+    base = stored_blocks(shared)
+    first = run(e, pa, max_tokens=4)
+    assert stored_blocks(shared) == base
+    run(e, pb, max_tokens=4)
+    assert e.registry.get_sample_value("model_runner_gpu_evictions_total") >= 3
+    wait_until(lambda: stored_blocks(shared) >= base + 3, what="offload")
+    again = run(e, pa, max_tokens=4)
+    assert again.kv_source == "loaded"
+    assert again.cached_by_tier == {"gpu": 2 * TPB, "host": 3 * TPB, "disk": 0}
+    assert again.output_ids == first.output_ids == reference(pa, 4)
+
+
+# --- (6) per-request TTL reaches the daemon
+
+
+@pytest.mark.parametrize("write_through", [True, False])
+def test_request_ttl_retains_its_blocks(shared: Daemon, engines: Callable[..., Engine], write_through: bool) -> None:
+    """Scenario: a request with kv_cache_ttl_seconds=3600 gets its 4 full blocks retained by the daemon
+    (even without write-through); a request without a TTL retains nothing."""
+
+    def retained() -> int:
+        return sum(n.retained_bytes for n in shared.stats().namespaces)
+
+    base = retained()
+    e = engines(shared.target, write_through=write_through)
+    run(e, tokens(19 + 2 * write_through, 4 * TPB + 6), max_tokens=4)
+    run(e, tokens(20 + 2 * write_through, 4 * TPB + 6), max_tokens=4, kv_cache_ttl_seconds=3600.0)
+    wait_until(lambda: retained() >= base + 4 * BLOCK_BYTES, what="retention")
+    e.stop()  # flushes every store: nothing more is retained after this
+    assert retained() == base + 4 * BLOCK_BYTES
+
+
+# --- many requests at once
+
+
+def test_concurrent_requests_over_shared_prefixes_with_a_tiny_gpu_tier(shared: Daemon,
+                                                                       engines: Callable[..., Engine]) -> None:
+    """Scenario: 32 requests over 4 shared prefixes, split between two engines with 8-block GPU tiers
+    and up to 4 requests in flight each: GPU hits, evictions with offload, loads of the other engine's
+    blocks and TTL stores all interleave. Every output equals its from-scratch reference, and once idle
+    every GPU block is either free or cached, with no reference left."""
+    rng = random.Random(5)
+    prefixes = [tokens(100 + i, rng.randrange(1, 5) * TPB) for i in range(4)]
+    work = [(rng.choice(prefixes) + tokens(200 + i % 10, rng.randrange(0, 40)), rng.randrange(1, 12))
+            for i in range(32)]
+    pair = [engines(shared.target, num_gpu_blocks=8, max_running=4, load_policy=policy)
+            for policy in ("always", "auto")]
+    handles = [pair[i % 2].submit(GenerationRequest(list(p), max_tokens=m, kv_cache_ttl_seconds=60.0 * (i % 3 == 0)))
+               for i, (p, m) in enumerate(work)]
+    results = [h.result(timeout=60) for h in handles]
+    expected: dict[tuple[tuple[int, ...], int], list[int]] = {}
+    for (p, m), r in zip(work, results):
+        assert r.output_ids == expected.setdefault((tuple(p), m), reference(p, m))
+    assert {r.kv_source for r in results} >= {"gpu", "loaded"}
+    for e in pair:
+        s = e.sched
+        wait_until(lambda: not s.pending_stores(), what="stores to land")
+        wait_until(lambda: s.alloc.free_count + len(s.radix) == e.cfg.num_gpu_blocks, what="every block back")
+        assert s.radix.referenced_count == 0
+        assert e.health() == {"service_attached": True, "running": 0, "waiting": 0, "parked": 0}
+
+
+# --- CUDA: the pool is registered by IPC and the daemon copies on its own streams
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_engines_share_blocks_exactly(shared: Daemon, engines: Callable[..., Engine], dtype: str) -> None:
+    """Scenario: on a GPU, engine A computes a prompt and writes it through (CUDA IPC, the store event);
+    engine B loads the prefix into its own pool and produces A's tokens; a 6-block GPU tier then
+    forces eviction offloads, and the evicted prefix comes back from the daemon with the same tokens."""
+    ids = tokens(30 + len(dtype), 5 * TPB + 3)
+    a = engines(shared.target, device="cuda", dtype=dtype)
+    first = run(a, ids)
+    a.stop()
+    b = engines(shared.target, device="cuda", dtype=dtype, load_policy="always", num_gpu_blocks=8,
+                write_through=False)
+    r = run(b, ids)
+    assert r.kv_source == "loaded" and r.cached_tokens == 5 * TPB
+    assert r.output_ids == first.output_ids
+    run(b, tokens(31 + len(dtype), 5 * TPB + 3))  # evicts (and offloads) the tail of ids' chain
+    assert b.registry.get_sample_value("model_runner_gpu_evictions_total") > 0
+    again = run(b, ids)
+    assert again.kv_source in ("gpu", "loaded") and again.output_ids == first.output_ids
+
+
+# --- the request API
+
+
+def test_stream_stop_ids_and_validation(engines: Callable[..., Engine]) -> None:
+    """Scenario: stream() yields the tokens result() reports; a stop id ends the request early without
+    being returned; seeded sampling is reproducible; requests the pool can never hold are refused."""
+    e = engines(num_gpu_blocks=16)
+    ids = tokens(21, 40)
+    h = e.submit(GenerationRequest(ids, max_tokens=8))
+    streamed = list(h.stream())
+    full = h.result(timeout=30)
+    assert streamed == full.output_ids and len(streamed) == 8 and full.finish_reason == "length"
+    assert full.request_id and h.request_id == full.request_id
+
+    stop = e.submit(GenerationRequest(ids, max_tokens=8, stop_ids=(full.output_ids[3],))).result(timeout=30)
+    assert stop.finish_reason == "stop" and stop.output_ids == full.output_ids[:3]
+
+    sampled = [run(e, ids, 8, temperature=1.0, seed=7).output_ids for _ in range(2)]
+    assert sampled[0] == sampled[1]
+
+    with pytest.raises(ValueError):
+        e.submit(GenerationRequest(ids, max_tokens=16 * TPB))
+    with pytest.raises(ValueError):
+        e.submit(GenerationRequest([]))
+    assert e.health() == {"service_attached": False, "running": 0, "waiting": 0, "parked": 0}

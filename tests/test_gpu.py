@@ -1,0 +1,504 @@
+"""The GPU data path: engine pools registered by CUDA IPC, moved to and from the host and disk tiers.
+
+Tests marked `gpu` need a CUDA device and skip elsewhere; the others check the pieces that need no
+GPU (batch shapes, layout plans, run coalescing) and run everywhere. The gpu tests drive a real
+daemon over its Unix socket and real engine processes: this file run as a script is that engine,
+owning a CudaKVPool and obeying one JSON command per stdin line (see `engine_main`). Block number i
+has content corekit.content(i) and hash corekit.h(i) in every process; loads land in poisoned
+slots and come back checked byte for byte ("exact"), failed ones checked untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvservice import cuda_memory  # noqa: E402
+from kvservice.sessions_api import PoolRegion, PoolSpec  # noqa: E402
+from tests.corekit import content, h  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+HOST, DISK = 2, 3  # kvservice.v1.Tier
+STORED, LOADED, LOAD_FAILED = 1, 1, 3
+POISON = 0xAB
+
+
+def _gpu_skip_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU: engine pools are registered by CUDA IPC (torch.cuda.is_available() is False)"
+    try:
+        import cuda.bindings.runtime  # noqa: F401
+    except ImportError:
+        try:
+            import cupy  # noqa: F401
+        except ImportError:
+            return "needs cuda-bindings or CuPy for cudaMalloc / CUDA IPC handles"
+    return None
+
+
+gpu = pytest.mark.gpu
+needs_gpu = pytest.mark.skipif(_gpu_skip_reason() is not None, reason=_gpu_skip_reason() or "")
+
+
+# --- pieces that need no GPU
+
+
+def test_batches_move_in_power_of_two_pieces():
+    """Scenario: a batch is cut into chunks of a power-of-two number of rows (torch's pinned
+    allocator rounds to powers of two, so these waste nothing), full chunks first."""
+    assert cuda_memory.chunk_rows(37, 1 << 20, 16 << 20) == [16, 16, 4, 1]
+    assert cuda_memory.chunk_rows(4096, 64 << 10, 16 << 20) == [256] * 16
+    assert cuda_memory.chunk_rows(3, 64 << 20, 16 << 20) == [1, 1, 1]
+    assert cuda_memory.chunk_rows(0, 4096) == []
+    for n in range(1, 300):
+        pieces = cuda_memory.chunk_rows(n, 3 * 4096, 1 << 20)
+        assert sum(pieces) == n and all(p & (p - 1) == 0 for p in pieces)
+
+
+def _spec(layout: str, num_blocks: int, block_bytes: int, layers: int = 1) -> PoolSpec:
+    from engine_client.shm_pool import _regions
+
+    regions = tuple(PoolRegion(r.offset, r.block_stride, r.block_bytes)
+                    for r in _regions(num_blocks, block_bytes, layout, layers))
+    return PoolSpec("cuda", num_blocks, regions, num_blocks * block_bytes)
+
+
+def _cpu_memory(spec: PoolSpec, base: torch.Tensor) -> cuda_memory.CudaEngineMemory:
+    """The layout plan of CudaEngineMemory over a CPU tensor: its gather/scatter kernels are plain torch."""
+    m = object.__new__(cuda_memory.CudaEngineMemory)
+    m.spec, m.num_blocks, m.block_bytes, m._ptr = spec, spec.num_blocks, spec.block_bytes, 0
+    m._plan(base)
+    return m
+
+
+def _reference_block(spec: PoolSpec, base: torch.Tensor, b: int) -> torch.Tensor:
+    return torch.cat([base[r.offset + b * r.block_stride: r.offset + b * r.block_stride + r.block_bytes]
+                      for r in spec.regions])
+
+
+@pytest.mark.parametrize("layout, layers, regions", [
+    ("block-contiguous", 1, None),
+    ("layer-first", 4, None),
+    ("irregular", 1, ((0, 96, 32), (4096, 64, 16), (8192, 16, 8))),
+])
+def test_layout_plan_gathers_and_scatters_whole_blocks(layout, layers, regions):
+    """Scenario: for block-contiguous, layer-first and an irregular region list, the device-side
+    gather returns each block as its rows in region order, and scatter writes exactly those bytes
+    back to other blocks and nothing else (checked on CPU tensors, same torch kernels)."""
+    if regions is None:
+        spec = _spec(layout, 16, 512, layers)
+    else:
+        spec = PoolSpec("cuda", 16, tuple(PoolRegion(*r) for r in regions), 8192 + 16 * 16)
+    base = torch.randint(0, 256, (spec.size,), dtype=torch.uint8)
+    m = _cpu_memory(spec, base)
+    assert m._uniform == (regions is None)
+    src, dst = [3, 0, 7, 5], [9, 12, 8, 15]
+    rows = m._gather_dev(torch.tensor(src))
+    assert rows.view(torch.uint8).shape == (4, spec.block_bytes)
+    for k, b in enumerate(src):
+        assert torch.equal(rows[k].view(torch.uint8), _reference_block(spec, base, b))
+    before = base.clone()
+    m._scatter_dev(torch.tensor(dst), rows)
+    for b in range(16):
+        want = _reference_block(spec, before, src[dst.index(b)]) if b in dst else _reference_block(spec, before, b)
+        assert torch.equal(_reference_block(spec, base, b), want), b
+    untouched = torch.ones(spec.size, dtype=torch.bool)
+    for b in dst:
+        for r in spec.regions:
+            untouched[r.offset + b * r.block_stride: r.offset + b * r.block_stride + r.block_bytes] = False
+    assert torch.equal(base[untouched], before[untouched])
+
+
+def test_element_width_follows_the_layout_alignment():
+    """Scenario: kernels move 8-byte elements when every offset, stride and row allows it."""
+    assert cuda_memory.element_bytes(_spec("layer-first", 8, 4096, 2)) == 8
+    odd = PoolSpec("cuda", 4, (PoolRegion(2, 6, 6),), 32)
+    assert cuda_memory.element_bytes(odd) == 2
+
+
+def test_host_rows_back_to_back_coalesce_into_runs():
+    """Scenario: rows of one pinned chunk, in order, are one copy; a gap, a reordering or another
+    base tensor starts a new run; a lone buffer is its own run."""
+    a = torch.empty((8, 64), dtype=torch.uint8).unbind(0)
+    b = torch.empty((4, 64), dtype=torch.uint8).unbind(0)
+    lone = torch.empty(64, dtype=torch.uint8)
+    srcs = [a[0], a[1], a[2], a[4], a[5], b[0], b[1], lone, a[7], a[6]]
+    runs = [(first, n) for first, n, _ in cuda_memory.host_runs(srcs, 64)]
+    assert runs == [(0, 3), (3, 2), (5, 2), (7, 1), (8, 1), (9, 1)]
+    with pytest.raises(ValueError, match="not a host buffer of 64 bytes"):
+        cuda_memory.host_runs([torch.empty(32, dtype=torch.uint8)], 64)
+
+
+def test_device_uuids_compare_with_or_without_the_gpu_prefix():
+    assert cuda_memory.normalize_uuid("GPU-8F1E0000-aaaa") == cuda_memory.normalize_uuid("8f1e0000-AAAA")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a host without CUDA")
+def test_a_cuda_pool_on_a_host_without_cuda_is_refused_with_the_reason():
+    from kvservice.engine_memory import open_engine_memory
+    from kvservice.types import CacheError, ErrorCode
+
+    with pytest.raises(CacheError) as err:
+        open_engine_memory(_spec("block-contiguous", 4, 4096))
+    assert err.value.code == ErrorCode.FAILED_PRECONDITION
+    assert "no CUDA device" in err.value.message
+
+
+# --- the engine process (this file run as a script)
+
+
+def engine_main(argv: list[str]) -> None:
+    """Commands, one JSON object a line; replies likewise:
+      {"op": "store", "numbers": [...], "slots": [...], "delay_cycles": 0}  -> {"status": [...]}
+          (writes content(i) into the slots behind a GPU sleep of delay_cycles on the engine's
+          stream, records the store event and stores at once: the daemon must wait for the writes)
+      {"op": "load", "numbers": [...], "slots": [...]}  -> {"status", "tier", "message", "exact", "untouched"}
+      {"op": "lookup", "numbers": [...]}                -> {"prefix": n, "tiers": [...]}
+      {"op": "exit"}
+    """
+    from engine_client import CudaKVPool, KVClient, Namespace
+    from engine_client.errors import KVClientError
+
+    p = argparse.ArgumentParser()
+    p.add_argument("target")
+    p.add_argument("--layout", default="block-contiguous")
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--blocks", type=int, default=64)
+    p.add_argument("--block-bytes", type=int, default=64 << 10)
+    p.add_argument("--model", default="gpu-m")
+    a = p.parse_args(argv)
+    pool = CudaKVPool(a.blocks, a.block_bytes, a.layout, a.layers, device=0)
+    ns = Namespace(a.model, "bfloat16", 16, a.layout, 0, 1)
+    client = KVClient(a.target, ns, pool, client_name=f"test_gpu engine pid {os.getpid()}", timeout=60.0)
+    try:
+        client.connect(required=True)
+    except KVClientError as e:
+        _reply({"ready": False, "code": e.code.name, "message": e.message})
+        return
+    _reply({"ready": True, "pid": os.getpid(), "session": client.session_id, "namespace": client.namespace_id,
+            "runtime": pool.runtime})
+    bb = a.block_bytes
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op, nums = cmd["op"], cmd.get("numbers", [])
+        slots = cmd.get("slots") or list(range(len(nums)))
+        try:
+            if op == "store":
+                srcs = [torch.frombuffer(bytearray(content(i, bb)), dtype=torch.uint8).to(pool.device) for i in nums]
+                torch.cuda.synchronize()
+                if cmd.get("delay_cycles"):
+                    torch.cuda._sleep(int(cmd["delay_cycles"]))  # the writes below queue behind this
+                for s, src in zip(slots, srcs):
+                    pool.write_block(s, src)
+                pool.record_ready()
+                rs = client.store([h(i) for i in nums], slots)
+                _reply({"status": [r.status for r in rs], "message": [r.message for r in rs]})
+            elif op == "load":
+                for s in slots:
+                    pool.write_block(s, bytes([POISON]) * bb)
+                torch.cuda.synchronize()
+                rs = client.load([h(i) for i in nums], slots)
+                got = [pool.read_block(s) for s in slots]
+                _reply({"status": [r.status for r in rs], "tier": [r.tier for r in rs],
+                        "message": [r.message for r in rs],
+                        "exact": [g == content(i, bb) for g, i in zip(got, nums)],
+                        "untouched": [g == bytes([POISON]) * bb for g in got]})
+            elif op == "lookup":
+                n, tiers = client.lookup([h(i) for i in nums])
+                _reply({"prefix": n, "tiers": list(tiers)})
+            elif op == "exit":
+                break
+            else:
+                _reply({"error": f"unknown op {op}"})
+        except KVClientError as e:
+            _reply({"error": e.code.name, "message": e.message})
+    client.close()
+    pool.close()
+
+
+def _reply(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+class GpuEngine:
+    def __init__(self, target: str, *args: str, env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "engine", target, *args],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+                                          **(env or {})})
+        self.hello = self._read()
+        assert self.hello.get("ready"), self.hello
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"engine process exited ({self.proc.wait(5)})")
+        return json.loads(line)
+
+    def send(self, op: str, **kw) -> None:
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+
+    def call(self, op: str, **kw) -> dict:
+        self.send(op, **kw)
+        return self._read()
+
+    def kill9(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send("exit")
+                self.proc.wait(20)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+# --- helpers for the gpu scenarios
+
+
+def _daemon(host: str, disk: str, *extra: str):
+    from tests.daemon_kit import Daemon
+
+    return Daemon(host_capacity=host, disk_capacity=disk,
+                  extra=["--io-backend", "auto", "--lease-seconds", "2", *extra]).start(timeout=60)
+
+
+def wait_for(what: str, predicate: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def _sessions(d) -> int:
+    return len(d.admin("ListSessions").sessions)
+
+
+def _open_mappings(d) -> int:
+    found = re.findall(r"open mappings: (\d+)", d.log())
+    return int(found[-1]) if found else 0
+
+
+def _expect_kvikio(d) -> None:
+    from kvservice.io_backend import kvikio_unavailable_reason
+
+    backend = d.stats().io_backend
+    if kvikio_unavailable_reason() is None:
+        assert backend in ("kvikio-compat", "kvikio-gds"), backend
+        assert f"io backend: {backend}" in d.log()
+
+
+def _drop_page_cache() -> None:
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError:
+        pass
+
+
+# --- gpu scenarios
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("layout, layers", [("block-contiguous", 1), ("layer-first", 4)])
+def test_blocks_round_trip_exactly_through_host_and_disk_tiers(layout, layers):
+    """Scenario: an engine with a CUDA pool stores 24 blocks of 256 KiB; the host tier keeps 8 and
+    the other 16 spill to disk (kvikio backend). Loading all 24 into poisoned slots, in shuffled
+    order, returns every byte from both tiers. A disk block whose file was damaged is reported
+    failed and its slot is left untouched: the checksum is verified before bytes reach the GPU."""
+    bb = 256 << 10
+    d = _daemon("2MiB", "64MiB")
+    try:
+        e = GpuEngine(d.target, "--layout", layout, "--layers", str(layers), "--blocks", "64", "--block-bytes", str(bb))
+        try:
+            _expect_kvikio(d)
+            nums = list(range(24))
+            for lo in (0, 8, 16):  # the host tier holds 8: each batch pushes the one before to disk
+                r = e.call("store", numbers=nums[lo:lo + 8], slots=nums[lo:lo + 8])
+                assert r["status"] == [STORED] * 8, r
+            wait_for("16 spills", lambda: d.stats().counters.spills >= 16 and d.stats().write_queue_depth == 0)
+            assert e.call("lookup", numbers=nums)["tiers"] == [DISK] * 16 + [HOST] * 8
+            _drop_page_cache()
+            order = nums[:]
+            random.Random(7).shuffle(order)
+            r = e.call("load", numbers=order, slots=[32 + k for k in range(24)])
+            assert r["status"] == [LOADED] * 24 and r["exact"] == [True] * 24, r
+            assert {t for t in r["tier"]} == {HOST, DISK}
+            c = d.stats().counters
+            assert c.loads_disk >= 16 and c.loads_host >= 1, c
+
+            on_disk = [i for i, t in zip(nums, e.call("lookup", numbers=nums)["tiers"]) if t == DISK]
+            assert on_disk, "every block went back to the host tier"
+            victim = on_disk[0]
+            path = Path(d.disk_path) / e.hello["namespace"] / h(victim).hex()[:2] / (h(victim).hex() + ".kvb")
+            with open(path, "r+b") as f:
+                f.seek(4096 + 1000)
+                byte = f.read(1)
+                f.seek(4096 + 1000)
+                f.write(bytes([byte[0] ^ 0xFF]))
+            r = e.call("load", numbers=[victim], slots=[60])
+            assert r["status"] == [LOAD_FAILED] and r["untouched"] == [True], r
+            assert "checksum" in r["message"][0]
+            assert d.stats().counters.checksum_failures == 1
+        finally:
+            e.close()
+    finally:
+        d.stop()
+        d.close()
+
+
+@gpu
+@needs_gpu
+def test_two_engines_on_one_gpu_share_blocks_and_the_store_event_orders_writes():
+    """Scenario: two engine processes on one GPU, one namespace (layer-first, 8 layers), one of them
+    allocating its pool through CuPy. Engine A queues its block writes behind a long GPU sleep and
+    stores at once, without synchronising: the daemon's copy waits on A's IPC event, so engine B
+    loads exactly the bytes A wrote. B stores, A loads, likewise."""
+    d = _daemon("64MiB", "")
+    try:
+        args = ("--layout", "layer-first", "--layers", "8", "--blocks", "64", "--block-bytes", str(128 << 10))
+        a = GpuEngine(d.target, *args)
+        b = GpuEngine(d.target, *args, env={"KVSERVICE_CUDA_RUNTIME": "cupy"})
+        try:
+            assert a.hello["namespace"] == b.hello["namespace"]
+            assert b.hello["runtime"] == "cupy"
+            mine = list(range(100, 116))
+            t0 = time.monotonic()
+            r = a.call("store", numbers=mine, slots=list(range(16)), delay_cycles=400_000_000)  # ~0.2 s of GPU time
+            assert r["status"] == [STORED] * 16, r
+            assert time.monotonic() - t0 > 0.1, "the sleep did not delay the store"
+            r = b.call("load", numbers=mine, slots=list(range(40, 56)))
+            assert r["status"] == [LOADED] * 16 and r["exact"] == [True] * 16, r
+            theirs = list(range(200, 208))
+            assert b.call("store", numbers=theirs, slots=list(range(8)))["status"] == [STORED] * 8
+            r = a.call("load", numbers=theirs + mine[:4], slots=list(range(20, 32)))
+            assert r["status"] == [LOADED] * 12 and r["exact"] == [True] * 12, r
+        finally:
+            a.close()
+            b.close()
+        wait_for("sessions closed", lambda: _sessions(d) == 0)
+        assert _open_mappings(d) == 0
+    finally:
+        d.stop()
+        d.close()
+
+
+@gpu
+@needs_gpu
+def test_an_engine_killed_during_a_load_leaves_the_daemon_serving():
+    """Scenario: an engine stores 128 blocks of 2 MiB, 96 of which spill to disk, asks to load
+    them all and is killed -9 while the daemon reads and copies them into its memory. The daemon
+    finishes or drops the copy, keeps serving (another engine round-trips exactly), reaps the dead
+    session within seconds and closes its mapping."""
+    bb = 2 << 20
+    d = _daemon("64MiB", "1GiB")
+    try:
+        a = GpuEngine(d.target, "--blocks", "256", "--block-bytes", str(bb))
+        nums = list(range(128))
+        for lo in range(0, 128, 32):  # the host tier holds 32 blocks
+            assert a.call("store", numbers=nums[lo:lo + 32], slots=nums[lo:lo + 32])["status"] == [STORED] * 32
+        wait_for("spills", lambda: d.stats().counters.spills >= 96 and d.stats().write_queue_depth == 0, 120)
+        _drop_page_cache()
+        a.send("load", numbers=nums, slots=[128 + k for k in range(128)])
+        deadline = time.monotonic() + 2.0
+        while d.stats().read_queue_depth == 0 and time.monotonic() < deadline:
+            pass
+        in_flight = d.stats().read_queue_depth
+        a.kill9()
+        print(f"killed with {in_flight} disk reads in flight")
+        assert d.serving()
+        b = GpuEngine(d.target, "--blocks", "32", "--block-bytes", str(bb))
+        try:
+            r = b.call("load", numbers=nums[:8], slots=list(range(8, 16)))
+            assert r["status"] == [LOADED] * 8 and r["exact"] == [True] * 8, r
+        finally:
+            b.close()
+        wait_for("the dead session reaped", lambda: _sessions(d) == 0)
+        assert _open_mappings(d) == 0
+        assert d.serving()
+    finally:
+        d.stop()
+        d.close()
+
+
+def _daemon_gpu_mib(pid: int) -> int | None:
+    """The daemon's own GPU memory as nvidia-smi reports it (None where it cannot say)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[0] == str(pid) and parts[1].isdigit():
+            return int(parts[1])
+    return None
+
+
+@gpu
+@needs_gpu
+def test_twenty_kill9_cycles_leave_no_gpu_memory_or_mapping_behind():
+    """Scenario: 20 times, an engine with a 128 MiB pool connects, loads 4 blocks and is killed -9.
+    Once the daemon has reaped the sessions, the GPU's free memory, the daemon's own GPU memory,
+    its open IPC mappings and its open file descriptors are back where they were after the first."""
+    bb = 1 << 20
+    d = _daemon("64MiB", "")
+    args = ("--blocks", "128", "--block-bytes", str(bb))
+    try:
+        first = GpuEngine(d.target, *args)
+        assert first.call("store", numbers=[0, 1, 2, 3], slots=[0, 1, 2, 3])["status"] == [STORED] * 4
+        first.kill9()
+        wait_for("the first session reaped", lambda: _sessions(d) == 0)
+        torch.cuda.init()
+        time.sleep(1.0)
+        free0, _ = torch.cuda.mem_get_info()
+        daemon0 = _daemon_gpu_mib(d.proc.pid)
+        fds0 = len(os.listdir(f"/proc/{d.proc.pid}/fd"))
+        for cycle in range(20):
+            e = GpuEngine(d.target, *args)
+            r = e.call("load", numbers=[0, 1, 2, 3], slots=[64, 65, 66, 67])
+            assert r["status"] == [LOADED] * 4 and r["exact"] == [True] * 4, (cycle, r)
+            e.kill9()
+        wait_for("20 dead sessions reaped", lambda: _sessions(d) == 0, 60)
+        assert _open_mappings(d) == 0
+        time.sleep(1.0)
+        free1, _ = torch.cuda.mem_get_info()
+        daemon1 = _daemon_gpu_mib(d.proc.pid)
+        fds1 = len(os.listdir(f"/proc/{d.proc.pid}/fd"))
+        print(f"GPU free {free0 >> 20} -> {free1 >> 20} MiB; daemon GPU {daemon0} -> {daemon1} MiB; fds {fds0} -> {fds1}")
+        assert abs(free1 - free0) < (32 << 20), (free0, free1)
+        if daemon0 is not None and daemon1 is not None:
+            assert abs(daemon1 - daemon0) <= 16, (daemon0, daemon1)
+        assert fds1 <= fds0 + 2, (fds0, fds1)
+        assert d.serving()
+    finally:
+        d.stop()
+        d.close()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "engine":
+        engine_main(sys.argv[2:])
+    else:
+        sys.exit(pytest.main([__file__, *sys.argv[1:]]))
