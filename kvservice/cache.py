@@ -91,9 +91,11 @@ class BlockCache:
         t = self._t
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+        persisted = await t.persist_retained(self.clock.now())
+        if persisted:
+            log.info("writing %d retained blocks that were only in host memory", persisted)
         await t.drain()
-        for s in self._sessions.all():
-            self._close(s)
+        await asyncio.gather(*(self._close(s) for s in self._sessions.all()))
         await t.stop()
         self._copy_pool.shutdown(wait=True)
 
@@ -128,17 +130,23 @@ class BlockCache:
         self._sessions.heartbeat(session_id, self.clock.now())
         return self.config.lease_seconds
 
-    def close_session(self, session_id: SessionId) -> None:
-        self._close(self._sessions.get(session_id))
+    async def close_session(self, session_id: SessionId) -> None:
+        """Returns once the pool is unmapped: no copy into it is in flight or will start."""
+        await self._close(self._sessions.get(session_id))
 
-    def _close(self, s: Session) -> None:
+    def _close(self, s: Session) -> asyncio.Future:
         self._sessions.remove(s.id)
         for key in s.leased:
             held = self._leases.get(key)
             if held is not None and held[0].lease_owner == s.id:
                 self._end_lease(key, used=False)
-        s.memory.close()
         log.info("session %s closed", s.id[:8])
+        # unmapping waits for copies in flight: do it off the event loop (not on the copy pool,
+        # whose threads may be the very copies it waits for)
+        done = asyncio.ensure_future(asyncio.to_thread(s.memory.close))
+        self._background.add(done)
+        done.add_done_callback(self._background.discard)
+        return done
 
     def reap_sessions(self) -> list[SessionId]:
         """Close sessions whose lease ran out and end expired prefetch leases; call about once a second."""

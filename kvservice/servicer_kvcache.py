@@ -66,7 +66,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     async def CloseSession(
         self, request: kvcache_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext
     ) -> kvcache_pb2.CloseSessionReply:
-        self._cache.close_session(SessionId(request.session_id))
+        await self._cache.close_session(SessionId(request.session_id))
         return kvcache_pb2.CloseSessionReply()
 
     @maps_cache_errors

@@ -56,6 +56,27 @@ class Tiers:
         if self.disk is not None:
             self.writes.start()
 
+    async def persist_retained(self, now: float) -> int:
+        """At shutdown: queue writes of unexpired retained blocks that live only in host memory,
+        so a restart keeps what a client asked to keep. They stay in the host tier meanwhile."""
+        if self.disk is None:
+            return 0
+        jobs: list[Entry] = []
+        for e in list(self.host.entries_oldest_first()):
+            if e.disk != DiskState.NONE or not e.retained(now):
+                continue
+            plan = plan_disk_eviction(self.disk, e.size, now, self.config.protect_unexpired)
+            if plan is None:
+                self.stats.bump(e.namespace, "admission_refusals")
+                continue
+            self._apply_disk_plan(plan)
+            self.disk.reserve(e)
+            e.spill_buf = e.host_buf
+            jobs.append(e)
+        for e in jobs:
+            await self.writes.submit(e, sheddable=False)
+        return len(jobs)
+
     async def drain(self) -> None:
         await self.writes.drain()
         if self._header_tasks:

@@ -210,3 +210,21 @@ async def test_shed_drops_only_best_effort_spills(tmp_path, pool):
         assert cache.counters.drops_pressure < 4
         assert tiers_of(eng, [4, 5, 6, 7]) == [Tier.DISK] * 4
         assert [r.status for r in await eng.load([4, 5, 6, 7])] == [LoadStatus.LOADED] * 4
+
+
+async def test_clean_shutdown_writes_retained_blocks_that_were_only_in_host_memory(tmp_path, pool):
+    """Scenario: retained and best-effort blocks sit in the host tier (never spilled) when the
+    daemon stops cleanly. After a restart on the same disk, the retained ones load back
+    byte-exact from disk with their deadlines; the best-effort ones are gone (host memory)."""
+    clock = FakeClock()
+    cfg = small_config(tmp_path)
+    async with started_cache(cfg, clock) as cache:
+        eng = Engine(cache, pool)
+        deadlines = [r.deadline for r in await eng.store([0, 1], ttl=1000)]
+        await eng.store([2])
+        assert tiers_of(eng, [0, 1, 2]) == [Tier.HOST] * 3
+    async with started_cache(cfg, clock) as cache:
+        eng = Engine(cache, pool)
+        assert tiers_of(eng, [0, 1, 2]) == [Tier.DISK, Tier.DISK, Tier.NONE]
+        assert await cache.retain(eng.sid, [h(0), h(1)], 0) == deadlines
+        assert [r.status for r in await eng.load([0, 1])] == [LoadStatus.LOADED] * 2
