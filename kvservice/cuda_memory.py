@@ -59,7 +59,7 @@ from kvservice.types import CacheError, ErrorCode
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 16 << 20  # pipeline granularity: copy chunk k+1 while checksumming / scattering chunk k
+CHUNK_BYTES = 32 << 20  # pipeline granularity: copy chunk k+1 while checksumming / scattering chunk k
 MAX_RUN_COPIES = 16  # per chunk; more runs than this go through one cudaMemcpyBatchAsync
 CRC_THREADS = max(1, min(16, (os.cpu_count() or 2) - 2))  # ~6 GB/s each: the store's CRC must keep up with DMA
 _ELEMENT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -165,6 +165,9 @@ class _Device:
         self.device = torch.device("cuda", index)
         self.sessions = 0
         self._lanes: queue.SimpleQueue[_Lane] = queue.SimpleQueue()
+        self.crc: _GpuCrc | None = None
+        self.crc_state = "unknown"  # "on" | "off" once decided (GPU CRC32C built and self-tested, or not)
+        self.crc_lock = threading.Lock()
 
     @contextmanager
     def lane(self) -> Iterator[_Lane]:
@@ -275,19 +278,22 @@ def host_runs(srcs: Sequence[torch.Tensor], row_bytes: int) -> list[tuple[int, i
     srcs[first].data_ptr()."""
     runs: list[tuple[int, int, torch.Tensor | None]] = []
     prev_base: torch.Tensor | None = None
-    prev_end = -1
-    for i, s in enumerate(srcs):
-        if s.nbytes != row_bytes or s.is_cuda:
-            raise ValueError(f"source #{i} is not a host buffer of {row_bytes} bytes")
+    prev_end = first = -1
+    for i, s in enumerate(srcs):  # per-row work kept minimal: 4096 rows of 64 KiB are one 256 MiB batch
         base = s._base
         p = s.data_ptr()
         if base is not None and base is prev_base and p == prev_end:
-            first, n, b = runs[-1]
-            runs[-1] = (first, n + 1, b)
-        else:
-            runs.append((i, 1, base if base is not None and base.is_contiguous() else None))
-            prev_base = base if base is not None and base.is_contiguous() else None
+            prev_end = p + row_bytes
+            continue
+        if s.nbytes != row_bytes or s.is_cuda:
+            raise ValueError(f"source #{i} is not a host buffer of {row_bytes} bytes")
+        if first >= 0:
+            runs.append((first, i - first, prev_base))
+        first = i
+        prev_base = base if base is not None and base.is_contiguous() else None
         prev_end = p + row_bytes
+    if first >= 0:
+        runs.append((first, len(srcs) - first, prev_base))
     return runs
 
 
@@ -309,6 +315,179 @@ def _crc_executor() -> ThreadPoolExecutor:
         if _crc_pool is None:
             _crc_pool = ThreadPoolExecutor(CRC_THREADS, thread_name_prefix="kv-crc")
         return _crc_pool
+
+
+# --- CRC32C on the GPU
+#
+# The CPU computes CRC32C at ~6 GB/s a core, and for small blocks Python threads cannot share the
+# work (each row is one GIL round trip), so the store's checksums run on the GPU instead, on the
+# device staging copy of each chunk while the DMA engine moves it. Two kernels: every `seg`-byte
+# segment gets its raw CRC (slice-by-8 tables, no pre/post inversion); one thread per row then
+# folds its segments, shifting the running value past each segment (4 tables that apply the linear
+# map "append seg zero bytes"), and applies the standard conditioning:
+#   crc32c(row) = raw(row) ^ crc32c(zeros of the row's length).
+# A self-test against google_crc32c runs once per device; any failure falls back to the CPU.
+
+_POLY = 0x82F63B78  # CRC32C, reflected
+_CRC_SEG = 1024
+_CRC_SRC = r"""
+extern "C" __global__ void crc32c_segments(const unsigned long long* __restrict__ data, unsigned int* __restrict__ out,
+                                           const unsigned int* __restrict__ tables, long long words, long long nsegs) {
+    __shared__ unsigned int t[8 * 256];
+    for (int i = threadIdx.x; i < 8 * 256; i += blockDim.x) t[i] = tables[i];
+    __syncthreads();
+    long long s = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (s >= nsegs) return;
+    const unsigned long long* p = data + s * words;
+    unsigned int c = 0;
+#pragma unroll 4
+    for (long long i = 0; i < words; ++i) {
+        unsigned long long x = p[i] ^ (unsigned long long)c;
+        c = t[7 * 256 + (x & 0xff)] ^ t[6 * 256 + ((x >> 8) & 0xff)] ^ t[5 * 256 + ((x >> 16) & 0xff)]
+          ^ t[4 * 256 + ((x >> 24) & 0xff)] ^ t[3 * 256 + ((x >> 32) & 0xff)] ^ t[2 * 256 + ((x >> 40) & 0xff)]
+          ^ t[256 + ((x >> 48) & 0xff)] ^ t[x >> 56];
+    }
+    out[s] = c;
+}
+
+extern "C" __global__ void crc32c_rows(const unsigned int* __restrict__ segs, unsigned int* __restrict__ out,
+                                       const unsigned int* __restrict__ shift, long long per_row, long long rows,
+                                       unsigned int zero_crc) {
+    __shared__ unsigned int t[4 * 256];
+    for (int i = threadIdx.x; i < 4 * 256; i += blockDim.x) t[i] = shift[i];
+    __syncthreads();
+    long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= rows) return;
+    const unsigned int* q = segs + r * per_row;
+    unsigned int c = 0;
+    for (long long i = 0; i < per_row; ++i)
+        c = t[c & 0xff] ^ t[256 + ((c >> 8) & 0xff)] ^ t[512 + ((c >> 16) & 0xff)] ^ t[768 + (c >> 24)] ^ q[i];
+    out[r] = c ^ zero_crc;
+}
+"""
+
+
+def crc_slice_tables() -> list[list[int]]:
+    """Slice-by-8 tables: T0 is the byte table, Tk[i] = T(k-1)[i] advanced by one zero byte."""
+    t0 = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ (_POLY if c & 1 else 0)
+        t0.append(c)
+    tables = [t0]
+    for _ in range(7):
+        prev = tables[-1]
+        tables.append([(v >> 8) ^ t0[v & 0xFF] for v in prev])
+    return tables
+
+
+def crc_shift_tables(nbytes: int) -> list[list[int]]:
+    """Tables of the linear map c -> raw CRC state after nbytes zero bytes, one per byte of c."""
+    import google_crc32c
+
+    zeros = bytes(nbytes)
+
+    def advance(c: int) -> int:  # extend() works on conditioned values: raw state = ~value
+        return ~google_crc32c.extend(~c & 0xFFFFFFFF, zeros) & 0xFFFFFFFF
+    return [[advance(b << (8 * k)) for b in range(256)] for k in range(4)]
+
+
+def crc_segment_bytes(row_bytes: int) -> int:
+    """Segment length for a row: the largest power of two <= _CRC_SEG dividing it; 0 if under 8."""
+    seg = _CRC_SEG
+    while seg >= 8 and row_bytes % seg:
+        seg //= 2
+    return seg if seg >= 8 else 0
+
+
+class _GpuCrc:
+    """The two CRC kernels of one device, with their tables in device memory."""
+
+    def __init__(self, device: torch.device) -> None:
+        import cupy
+
+        self._cupy = cupy
+        self.device = device
+        self._tables = torch.tensor([v for t in crc_slice_tables() for v in t], dtype=torch.int64,
+                                    device=device).to(torch.int32)
+        self._shift: dict[int, torch.Tensor] = {}
+        self._zero: dict[int, int] = {}
+        self._streams: dict[int, Any] = {}
+        with cupy.cuda.Device(device.index):
+            self._seg_kernel = cupy.RawKernel(_CRC_SRC, "crc32c_segments")
+            self._row_kernel = cupy.RawKernel(_CRC_SRC, "crc32c_rows")
+
+    def _stream(self, stream: torch.cuda.Stream) -> Any:
+        s = self._streams.get(stream.cuda_stream)
+        if s is None:
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                s = self._streams[stream.cuda_stream] = self._cupy.cuda.ExternalStream(stream.cuda_stream,
+                                                                                         self.device.index)
+        return s
+
+    def rows(self, data: torch.Tensor, row_bytes: int, out: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        """out[i] = crc32c of row i of the contiguous device tensor data, computed on `stream`."""
+        import numpy as np
+
+        seg = crc_segment_bytes(row_bytes)
+        n = data.numel() * data.element_size() // row_bytes
+        if row_bytes not in self._zero:
+            import google_crc32c
+
+            self._zero[row_bytes] = google_crc32c.value(bytes(row_bytes))
+        if seg not in self._shift:
+            self._shift[seg] = torch.tensor([v for t in crc_shift_tables(seg) for v in t], dtype=torch.int64,
+                                            device=self.device).to(torch.int32)
+        per_row = row_bytes // seg
+        segs = torch.empty(n * per_row, dtype=torch.int32, device=self.device)
+        threads = 128
+        with self._cupy.cuda.Device(self.device.index), self._stream(stream):
+            self._seg_kernel(((n * per_row + threads - 1) // threads,), (threads,),
+                             (np.uint64(data.data_ptr()), np.uint64(segs.data_ptr()), np.uint64(self._tables.data_ptr()),
+                              np.int64(seg // 8), np.int64(n * per_row)))
+            self._row_kernel(((n + threads - 1) // threads,), (threads,),
+                             (np.uint64(segs.data_ptr()), np.uint64(out.data_ptr()),
+                              np.uint64(self._shift[seg].data_ptr()), np.int64(per_row), np.int64(n),
+                              np.uint32(self._zero[row_bytes])))
+
+    def self_test(self) -> None:
+        """Raise unless the kernels agree with google_crc32c on random rows of a few sizes."""
+        for row_bytes in (8, 520, 4096, 65536 + 1024):
+            data = torch.randint(0, 256, (3, row_bytes), dtype=torch.uint8, device=self.device)
+            out = torch.empty(3, dtype=torch.int32, device=self.device)
+            stream = torch.cuda.current_stream(self.device)
+            self.rows(data, row_bytes, out, stream)
+            stream.synchronize()
+            host = data.cpu()
+            want = [_checksum.checksum(host[i]) for i in range(3)]
+            got = [v & 0xFFFFFFFF for v in out.cpu().tolist()]
+            if got != want:
+                raise RuntimeError(f"GPU CRC32C of {row_bytes}-byte rows is {got}, expected {want}")
+
+
+def _gpu_crc_for(dev: _Device) -> _GpuCrc | None:
+    """The device's GPU CRC, built and self-tested on first use; None means checksum on the CPU."""
+    if dev.crc_state == "unknown":
+        with dev.crc_lock:
+            if dev.crc_state == "unknown":
+                if os.environ.get("KVSERVICE_GPU_CRC", "1") == "0":
+                    dev.crc_state = "off"
+                else:
+                    try:
+                        with torch.cuda.device(dev.index):
+                            crc = _GpuCrc(dev.device)
+                            crc.self_test()
+                        dev.crc, dev.crc_state = crc, "on"
+                        log.info("device %d: store checksums (CRC32C) computed on the GPU", dev.index)
+                    except Exception as e:  # no CuPy, no NVRTC, or a wrong result: checksum on the CPU
+                        dev.crc_state = "off"
+                        log.warning("device %d: GPU CRC32C unavailable (%s: %s); checksumming on the CPU",
+                                    dev.index, type(e).__name__, e)
+    return dev.crc
 
 
 class _DevicePointer:
@@ -422,20 +601,26 @@ class CudaEngineMemory:
 
     def _gather(self, block_ids: Sequence[int], with_checksums: bool) -> tuple[list[torch.Tensor], list[int]]:
         bb = self.block_bytes
-        pieces = chunk_rows(len(block_ids), bb)
+        n_all = len(block_ids)
+        pieces = chunk_rows(n_all, bb)
+        gpu_crc = _gpu_crc_for(self._dev) if with_checksums and crc_segment_bytes(bb) else None
         with self._inflight, torch.cuda.device(self._dev.index), self._dev.lane() as lane:
             try:
                 with torch.cuda.stream(lane.kernels):
                     if self._event is not None:
                         lane.kernels.wait_event(self._event)  # the engine's writes to these blocks come first
                     idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self._dev.device)
+                    crc_dev = torch.empty(n_all, dtype=torch.int32, device=self._dev.device) if gpu_crc else None
                 hosts, done = [], []
                 lo = 0
                 for k in pieces:
                     host = _pinned((k, bb))
                     with torch.cuda.stream(lane.kernels):
                         staged = self._gather_dev(idx[lo:lo + k])
-                    lane.dma.wait_stream(lane.kernels)
+                        gathered = lane.kernels.record_event()
+                        if gpu_crc is not None:  # on the kernel stream, beside the DMA of the same chunk
+                            gpu_crc.rows(staged, bb, crc_dev[lo:lo + k], lane.kernels)
+                    lane.dma.wait_event(gathered)
                     with torch.cuda.stream(lane.dma):
                         host.view(self._dtype).copy_(staged, non_blocking=True)
                         staged.record_stream(lane.dma)  # its memory is reused only after this copy
@@ -444,8 +629,14 @@ class CudaEngineMemory:
                     hosts.append(host)
                     lo += k
                 sums: list[int] = []
+                if gpu_crc is not None:
+                    crc_host = torch.empty(n_all, dtype=torch.int32, pin_memory=True)
+                    with torch.cuda.stream(lane.kernels):
+                        crc_host.copy_(crc_dev, non_blocking=True)
+                    lane.kernels.synchronize()
+                    sums = [v & 0xFFFFFFFF for v in crc_host.tolist()]
                 futures = []
-                pool = _crc_executor() if with_checksums else None
+                pool = _crc_executor() if with_checksums and gpu_crc is None else None
                 for host, ev in zip(hosts, done):
                     ev.synchronize()
                     if pool is not None:

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The command run on a GPU machine of the device tool (see BENCHMARKS.md, "GPU data path (H200)"):
 # install the carried wheels, print the environment, run the GPU tests, run the GPU benchmark.
-# Everything lands under $OUT (default ./device-out): run.log, bench.json, daemon logs, profile.
+# Everything lands under $OUT (default /tmp/kvservice-device-out): run.log, bench.json, daemon logs, profile.
 #   bash scripts/device_run.sh [tests|bench|all] [extra bench args...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/device-out}
+OUT=${OUT:-/tmp/kvservice-device-out}
 mkdir -p "$OUT"
 what=${1:-all}; shift || true
 exec > >(tee -a "$OUT/run.log") 2>&1

@@ -41,7 +41,7 @@ def _gpu_skip_reason() -> str | None:
     if not torch.cuda.is_available():
         return "needs a CUDA GPU: engine pools are registered by CUDA IPC (torch.cuda.is_available() is False)"
     try:
-        import cuda.bindings.runtime  # noqa: F401
+        import cuda.bindings.runtime  # noqa: F401  # (only whether it imports)
     except ImportError:
         try:
             import cupy  # noqa: F401
@@ -141,6 +141,36 @@ def test_host_rows_back_to_back_coalesce_into_runs():
     assert runs == [(0, 3), (3, 2), (5, 2), (7, 1), (8, 1), (9, 1)]
     with pytest.raises(ValueError, match="not a host buffer of 64 bytes"):
         cuda_memory.host_runs([torch.empty(32, dtype=torch.uint8)], 64)
+
+
+def test_gpu_crc_tables_reproduce_crc32c():
+    """Scenario: the tables the GPU CRC kernels use, applied the way the kernels apply them (raw
+    CRC per segment with slice-by-8, segments folded with the shift tables, then the standard
+    conditioning), give google_crc32c's value for rows of several lengths."""
+    import google_crc32c
+
+    t = cuda_memory.crc_slice_tables()
+
+    def raw(seg: bytes) -> int:
+        c = 0
+        for i in range(0, len(seg), 8):
+            x = int.from_bytes(seg[i:i + 8], "little") ^ c
+            c = 0
+            for k in range(8):
+                c ^= t[7 - k][(x >> (8 * k)) & 0xFF]
+        return c
+
+    rng = random.Random(5)
+    for length in (8, 520, 4096, 3 * 1024):
+        row = bytes(rng.getrandbits(8) for _ in range(length))
+        seg = cuda_memory.crc_segment_bytes(length)
+        shift = cuda_memory.crc_shift_tables(seg)
+        c = 0
+        for i in range(0, length, seg):
+            c = shift[0][c & 0xFF] ^ shift[1][(c >> 8) & 0xFF] ^ shift[2][(c >> 16) & 0xFF] ^ shift[3][c >> 24]
+            c ^= raw(row[i:i + seg])
+        assert c ^ google_crc32c.value(bytes(length)) == google_crc32c.value(row), length
+    assert cuda_memory.crc_segment_bytes(12) == 0
 
 
 def test_device_uuids_compare_with_or_without_the_gpu_prefix():
