@@ -256,7 +256,7 @@ class BlockCache:
         t = self._t
         size = s.block_bytes
         # head first: when only part of the chain fits, keep its prefix
-        fit = min(len(new), t.evictable_host_bytes(now) // size)
+        fit = min(len(new), t.evictable_host_bytes(now, len(new) * size) // size)
         if fit and not await t.make_host_room(fit * size, now):
             fit = 0
         for i, e, _ in new[fit:]:

@@ -33,7 +33,8 @@ class ChainLRU:
         return len(self._order)
 
     def oldest_first(self) -> Iterator[Entry]:
-        return iter(list(self._order.values()))
+        # no copy: callers plan first and evict after (mutating while iterating raises, loudly)
+        return iter(self._order.values())
 
     def values(self) -> Iterable[Entry]:
         return self._order.values()

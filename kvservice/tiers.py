@@ -140,9 +140,17 @@ class Tiers:
                 return out
         return None
 
-    def evictable_host_bytes(self, now: float) -> int:
-        """Free host bytes plus what make_host_room could evict right now."""
-        return self.host.free_bytes + sum(e.size for e in self._host_candidates(now))
+    def evictable_host_bytes(self, now: float, want: int) -> int:
+        """Free host bytes plus what make_host_room could evict right now, counted up to `want`
+        (the walk stops there: a Store must not cost a pass over the whole host tier)."""
+        total = self.host.free_bytes
+        if total >= want:
+            return total
+        for e in self._host_candidates(now):
+            total += e.size
+            if total >= want:
+                break
+        return total
 
     def _host_candidates(self, now: float):
         """Host entries that may be evicted, oldest first. Under protect-unexpired, an unexpired

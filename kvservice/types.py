@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import NewType
+from typing import NamedTuple, NewType
 
 BlockHash = NewType("BlockHash", bytes)  # 32-byte chained hash, opaque to the daemon
 NamespaceId = NewType("NamespaceId", str)  # hex digest of the namespace tuple
@@ -17,9 +17,9 @@ SessionId = NewType("SessionId", str)
 HASH_BYTES = 32
 
 
-@dataclass(frozen=True, slots=True)
-class BlockKey:
-    """Where a block lives in the index: blocks are only ever shared inside a namespace."""
+class BlockKey(NamedTuple):
+    """Where a block lives in the index: blocks are only ever shared inside a namespace.
+    A NamedTuple, not a dataclass: millions are built and hashed on the Lookup path."""
 
     namespace: NamespaceId
     hash: BlockHash
