@@ -108,28 +108,39 @@ class ShmEngineMemory:
         self.spec = spec
         self.num_blocks = spec.num_blocks
         self.block_bytes = spec.block_bytes
-        self._base = torch.frombuffer(self._mm, dtype=torch.uint8)
+        # copy in 8-byte words when the layout allows: uint8 gathers run several times slower
+        word = 8 if all(r.offset % 8 == 0 and r.block_stride % 8 == 0 and r.block_bytes % 8 == 0
+                        for r in spec.regions) and spec.size % 8 == 0 else 1
+        self._word = word
+        self._base = torch.frombuffer(self._mm, dtype=torch.int64 if word == 8 else torch.uint8)
         self._views = [
-            self._base.as_strided((spec.num_blocks, r.block_bytes), (r.block_stride, 1), r.offset) for r in spec.regions
+            self._base.as_strided((spec.num_blocks, r.block_bytes // word), (r.block_stride // word, 1), r.offset // word)
+            for r in spec.regions
         ]
-        self._widths = [r.block_bytes for r in spec.regions]
         self._inflight = _InFlight()
 
     def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
         idx = torch.as_tensor(list(block_ids), dtype=torch.long)
         with self._inflight:
             if len(self._views) == 1:
-                return self._views[0].index_select(0, idx)
-            return torch.cat([v.index_select(0, idx) for v in self._views], dim=1)
+                rows = self._views[0].index_select(0, idx)
+            else:
+                rows = torch.cat([v.index_select(0, idx) for v in self._views], dim=1)
+        return rows.view(torch.uint8)
 
     def scatter(self, block_ids: Sequence[int], srcs: Sequence[torch.Tensor]) -> None:
-        idx = torch.as_tensor(list(block_ids), dtype=torch.long)
-        rows = torch.stack(list(srcs))
+        # one memcpy per block and region, straight from each host buffer: no staging copy
         with self._inflight:
-            col = 0
-            for view, width in zip(self._views, self._widths):
-                view.index_copy_(0, idx, rows[:, col:col + width])
-                col += width
+            for b, src in zip(block_ids, srcs):
+                words = src.view(torch.int64) if self._word == 8 and src.data_ptr() % 8 == 0 else None
+                col = 0
+                for view in self._views:
+                    width = view.shape[1]
+                    if words is not None:
+                        view[b].copy_(words[col:col + width])
+                    else:
+                        view[b].view(torch.uint8).copy_(src[col * self._word:(col + width) * self._word])
+                    col += width
 
     def close(self) -> None:
         if self._inflight.closed:
