@@ -19,6 +19,14 @@
 5. Restarts it on the same disk tier: the blocks that were on disk come back; the shared system
    prompt, which never left host memory and had no TTL, is gone and is recomputed once, and then
    every prompt loads again, its other blocks from the recovered disk tier.
+6. Real model runners: a fresh daemon with a small host tier (128 KiB, 16 blocks of the tiny model's
+   KV) and a disk tier; two model runners (`python -m model_runner --service ...`, A and B) share it,
+   and a third runner with no daemon is the recompute-only baseline. Four users, a shared 256-token
+   system prompt, four rounds in which each conversation grows by the last answer and a new question;
+   rounds alternate between A and B, so each round reuses blocks the other runner computed. Prints
+   p50 TTFT with and without the daemon and reused tokens by tier (GPU, host, disk) per round, and
+   checks that the greedy outputs match the baseline's token for token, that reuse came from both
+   the host and the disk tier, and that it crossed runners.
 Exits non-zero if any check fails. Everything lives in a temporary directory that is removed
 at the end (--keep leaves it, with the daemon log, for a look).
 
@@ -223,7 +231,8 @@ def free_tcp_port() -> int:
 
 
 class Daemon:
-    def __init__(self, workdir: Path, tcp_port: int) -> None:
+    def __init__(self, workdir: Path, tcp_port: int, host_capacity: str = HOST_CAPACITY,
+                 disk_capacity: str = DISK_CAPACITY) -> None:
         self.socket_path = str(workdir / "kv.sock")
         self.disk_path = str(workdir / "disk")
         self.tcp = f"127.0.0.1:{tcp_port}"
@@ -231,8 +240,8 @@ class Daemon:
         self.log_path = workdir / "daemon.log"
         self.argv = [sys.executable, "-m", "kvservice", "serve",
                      "--socket-path", self.socket_path,
-                     "--host-capacity", HOST_CAPACITY,
-                     "--disk-path", self.disk_path, "--disk-capacity", DISK_CAPACITY,
+                     "--host-capacity", host_capacity,
+                     "--disk-path", self.disk_path, "--disk-capacity", disk_capacity,
                      "--io-backend", "auto",
                      "--tcp", self.tcp]
         self.proc: subprocess.Popen | None = None
@@ -294,6 +303,103 @@ class Daemon:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+# ----------------------------------------------------------------------------------------------
+# Real model runners (phase 8): `python -m model_runner`, the reference engine behind HTTP
+
+RUNNER_MODEL = "tiny"  # model_runner's CPU preset: 2 layers, 2 KV heads x 16 dims, fp32 -> 8 KiB per block
+RUNNER_GPU_BLOCKS = 32  # each runner's own KV pool ("GPU tier"): 512 tokens
+CONV_HOST_CAPACITY, CONV_DISK_CAPACITY = "128KiB", "16MiB"  # 16 and 2048 blocks of 8 KiB: the host tier
+# holds just the system prompt, so older turns spill to disk and come back from there
+CONV_USERS, CONV_ROUNDS = 4, 4
+CONV_SYSTEM_TOKENS = 256  # shared by every user
+CONV_QUESTION_TOKENS = 40  # each round's new question
+CONV_MAX_TOKENS = 4  # each answer (greedy)
+
+
+class ModelRunner:
+    """The parent's handle on one `python -m model_runner` process."""
+
+    def __init__(self, name: str, service: str, log_path: Path, extra: tuple[str, ...] = ()) -> None:
+        self.name = name
+        self.service = service
+        self.argv = [sys.executable, "-m", "model_runner", "--service", service, "--model", RUNNER_MODEL,
+                     "--port", "0", "--gpu-blocks", str(RUNNER_GPU_BLOCKS), *extra,
+                     "--client-name", f"demo-runner-{name}"]
+        self.log_path = log_path
+        self.url = ""
+        self.t0 = time.monotonic()
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=log, text=True, cwd=str(ROOT),
+                                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+    def wait_ready(self, timeout: float = 60.0) -> float:
+        """Wait for "model-runner listening on http://HOST:PORT"; returns seconds since the start."""
+        import re
+        import select
+
+        assert self.proc.stdout is not None
+        deadline = self.t0 + timeout
+        while not self.url:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"model runner {self.name} not listening {timeout:.0f} s after it started")
+            if not select.select([self.proc.stdout], [], [], left)[0]:
+                continue
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"model runner {self.name} exited with {self.proc.wait(10)}: "
+                                   f"{''.join(self.log_tail(1)).strip()}")
+            m = re.search(r"model-runner listening on (http://\S+)", line)
+            if m:
+                self.url = m.group(1)
+        return time.monotonic() - self.t0
+
+    def complete(self, prompt: list[int], max_tokens: int = CONV_MAX_TOKENS) -> dict:
+        """POST /v1/completions with token ids, greedy; the parsed JSON reply."""
+        import http.client
+        from urllib.parse import urlsplit
+
+        u = urlsplit(self.url)
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+        try:
+            conn.request("POST", "/v1/completions",
+                         json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}),
+                         {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            body = resp.read()
+        finally:
+            conn.close()
+        if resp.status != 200:
+            raise RuntimeError(f"runner {self.name}: HTTP {resp.status}: {body[:300]!r}")
+        return json.loads(body)
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """SIGTERM (the runner stops its HTTP server, flushes stores, closes its session) and wait."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        rc = self.proc.wait(5)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        return rc
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+    def log_tail(self, n: int) -> list[str]:
+        try:
+            return self.log_path.read_text(errors="replace").splitlines()[-n:]
+        except OSError:
+            return []
 
 
 # ----------------------------------------------------------------------------------------------
@@ -399,7 +505,9 @@ def run_demo(workdir: Path) -> int:
     check = Checks()
     t_start = time.monotonic()
     daemon = Daemon(workdir, free_tcp_port())
+    daemons = [daemon]
     engines: list[Engine] = []
+    runners: list[ModelRunner] = []
     try:
         heading("1. Start the daemon")
         say("$ " + " ".join(["python" if a == sys.executable else a for a in daemon.argv]))
@@ -546,17 +654,28 @@ def run_demo(workdir: Path) -> int:
         rc, took = daemon.stop()
         check.expect(rc == 0, f"daemon exit status {rc} after the restart, expected 0")
         say(f"daemon stopped again (status {rc})")
+
+        heading("8. Real model runners: two share a daemon in a multi-round conversation")
+        run_conversation(workdir, check, daemons, runners)
     except Exception as e:  # print what we know, still clean up, and fail
         first = str(e).splitlines()[0] if str(e) else ""
         print(f"\n   !! demo aborted: {type(e).__name__}: {first}")
-        tail = daemon.log().splitlines()[-12:]
+        tail = daemons[-1].log().splitlines()[-12:]
         if tail:
-            print(f"   daemon log {daemon.log_path} (last lines):\n" + "\n".join("   | " + line for line in tail))
+            print(f"   daemon log {daemons[-1].log_path} (last lines):\n" + "\n".join("   | " + line for line in tail))
+        for r in runners:
+            tail = r.log_tail(4)
+            if tail:
+                print(f"   model runner {r.name} log {r.log_path} (last lines):\n"
+                      + "\n".join("   | " + line for line in tail))
         check.failed.append(f"aborted: {type(e).__name__}: {first}")
     finally:
         for e in engines:
             e.close()
-        daemon.kill()
+        for r in runners:
+            r.kill()
+        for d in daemons:
+            d.kill()
 
     heading("Summary")
     took = time.monotonic() - t_start
@@ -568,6 +687,148 @@ def run_demo(workdir: Path) -> int:
         return 1
     say(f"all {check.passed} checks passed in {took:.1f} s")
     return 0
+
+
+def run_conversation(workdir: Path, check: Checks, daemons: list[Daemon], runners: list[ModelRunner]) -> None:
+    """Phase 8: a fresh daemon, runners A and B on it, a recompute-only runner; a multi-round conversation."""
+    import statistics
+
+    import numpy as np
+
+    from model_runner.config import PRESETS  # no torch behind this import
+
+    mcfg = PRESETS[RUNNER_MODEL]
+    block_bytes = mcfg.kv_bytes_per_token(4) * TOKENS_PER_BLOCK  # the runner's default dtype, float32
+    conv_dir = workdir / "conv"
+    conv_dir.mkdir()
+    daemon = Daemon(conv_dir, free_tcp_port(), CONV_HOST_CAPACITY, CONV_DISK_CAPACITY)
+    daemons.append(daemon)
+    say("$ " + " ".join(["python" if a == sys.executable else a for a in daemon.argv]))
+    took = daemon.start()
+    say(f"a fresh daemon, SERVING after {took:.1f} s: host tier {CONV_HOST_CAPACITY} = "
+        f"{parse_size(CONV_HOST_CAPACITY) // block_bytes} blocks of {block_bytes >> 10} KiB ({TOKENS_PER_BLOCK} tokens "
+        f"x {mcfg.n_layers} layers x K,V x {mcfg.n_kv_heads} heads x {mcfg.head_dim} dims x fp32), "
+        f"disk tier {CONV_DISK_CAPACITY}; the host tier holds no more than the system prompt, so older turns "
+        f"spill to disk")
+    # --load-policy always: with "auto" a runner loads or recomputes, whichever it measures cheaper, and for
+    # the tiny model on a CPU that is a coin toss; the demo is about the load path, so it always loads.
+    a = ModelRunner("A", daemon.target, conv_dir / "runner-A.log", ("--load-policy", "always"))
+    b = ModelRunner("B", daemon.target, conv_dir / "runner-B.log", ("--load-policy", "always"))
+    alone = ModelRunner("alone", "", conv_dir / "runner-alone.log")
+    runners += [a, b, alone]
+    say("$ " + " ".join(["python" if x == sys.executable else x for x in a.argv]))
+    say(f"three model runners start at once: A and B on the daemon (--load-policy always: for the tiny model on "
+        f"a CPU, 'auto' finds loading and recomputing about as cheap and could pick either), and 'alone' with "
+        f"--service '' (recompute only: its own {RUNNER_GPU_BLOCKS}-block GPU tier and nothing else)")
+    ready = {r.name: r.wait_ready() for r in runners}
+    say("listening: " + ", ".join(f"{r.name} {r.url} after {ready[r.name]:.1f} s" for r in runners))
+
+    vocab = mcfg.vocab
+    system = np.random.default_rng(7).integers(0, vocab, CONV_SYSTEM_TOKENS).tolist()
+    history = [list(system) for _ in range(CONV_USERS)]
+    # Blocks (keyed by their token prefix) whose KV each runner computed itself; a reused block that the serving
+    # runner never computed was computed by the other one and reached it through the daemon.
+    computed: dict[str, set[int]] = {a.name: set(), b.name: set()}
+    say(f"{CONV_USERS} users, a shared {CONV_SYSTEM_TOKENS}-token system prompt, {CONV_ROUNDS} rounds: each "
+        f"prompt is the user's whole conversation so far + a new {CONV_QUESTION_TOKENS}-token question; "
+        f"answers of {CONV_MAX_TOKENS} tokens, greedy.")
+    say("Rounds alternate A, B, A, B (one request at a time); 'alone' gets the same prompts. "
+        "TTFT is the runner's own (kv_cache.ttft_ms).")
+    say()
+    rows, total = [], {"gpu": 0, "host": 0, "disk": 0, "other": 0, "prompt": 0, "alone_gpu": 0}
+    mismatched, bad_sums = [], 0
+    other_by_round: list[int] = []
+    ttfts: list[float] = []
+    ttfts_alone: list[float] = []
+    for rnd in range(CONV_ROUNDS):
+        runner = (a, b)[rnd % 2]
+        for u in range(CONV_USERS):
+            history[u] += np.random.default_rng(1000 + 10 * u + rnd).integers(0, vocab, CONV_QUESTION_TOKENS).tolist()
+        got = [runner.complete(history[u]) for u in range(CONV_USERS)]
+        base = [alone.complete(history[u]) for u in range(CONV_USERS)]
+        daemon.wait_for_spills()  # the round's spills land before the next round looks the blocks up
+        tier = {"gpu": 0, "host": 0, "disk": 0}
+        sources: dict[str, int] = {}
+        other = alone_gpu = 0
+        for u, (g, z) in enumerate(zip(got, base)):
+            if g["token_ids"] != z["token_ids"]:
+                mismatched.append(f"round {rnd + 1} user {u}: {g['token_ids']} vs {z['token_ids']}")
+            by_tier = g["kv_cache"]["cached_tokens_by_tier"]
+            cached = g["usage"]["prompt_tokens_details"]["cached_tokens"]
+            bad_sums += cached != sum(by_tier.values())
+            for t in tier:
+                tier[t] += by_tier[t]
+            src = g["kv_cache"]["kv_source"]
+            sources[src] = sources.get(src, 0) + 1
+            history[u] += g["token_ids"]
+            keys = [hash(tuple(history[u][: (k + 1) * TOKENS_PER_BLOCK]))
+                    for k in range(len(history[u]) // TOKENS_PER_BLOCK)]
+            reused_blocks = cached // TOKENS_PER_BLOCK
+            other += TOKENS_PER_BLOCK * sum(k not in computed[runner.name] for k in keys[:reused_blocks])
+            # KV this runner computed: from the first block not reused up to the last output token but one
+            computed[runner.name].update(keys[reused_blocks: (len(history[u]) - 1) // TOKENS_PER_BLOCK])
+            alone_gpu += z["usage"]["prompt_tokens_details"]["cached_tokens"]
+        lens = [g["usage"]["prompt_tokens"] for g in got]
+        for t in tier:
+            total[t] += tier[t]
+        total["other"] += other
+        total["prompt"] += sum(lens)
+        total["alone_gpu"] += alone_gpu
+        other_by_round.append(other)
+        ttfts += [g["kv_cache"]["ttft_ms"] for g in got]
+        ttfts_alone += [z["kv_cache"]["ttft_ms"] for z in base]
+        ttft = statistics.median(g["kv_cache"]["ttft_ms"] for g in got)
+        ttft_alone = statistics.median(z["kv_cache"]["ttft_ms"] for z in base)
+        span = f"{min(lens)}" if min(lens) == max(lens) else f"{min(lens)}-{max(lens)}"
+        rows.append([f"{rnd + 1}", runner.name, span, f"{ttft:.1f}", f"{ttft_alone:.1f}",
+                     sum(lens), tier["gpu"], tier["host"], tier["disk"], other,
+                     ", ".join(f"{k} {v}" for k, v in sorted(sources.items())), alone_gpu,
+                     f"{CONV_USERS - sum(m.startswith(f'round {rnd + 1} ') for m in mismatched)}/{CONV_USERS}"])
+    table(["round", "runner", "prompt len", "TTFT p50 ms", "alone: ms", "prompt tokens", "reused gpu", "host",
+           "disk", "computed by other", "kv_source (requests)", "alone reused", "same ids"], rows)
+    say()
+    reused = total["gpu"] + total["host"] + total["disk"]
+    say(f"A and B reused {reused} of {total['prompt']} prompt tokens ({reused / total['prompt']:.0%}): "
+        f"{total['gpu']} from their own GPU tier, {total['host']} from the daemon's host tier, {total['disk']} "
+        f"from its disk tier; {total['other']} of them the other runner had computed. Alone reused "
+        f"{total['alone_gpu']} ({total['alone_gpu'] / total['prompt']:.0%}), only what was still in its own GPU tier.")
+    say(f"p50 TTFT over all {len(ttfts)} requests: {statistics.median(ttfts):.1f} ms with the daemon, "
+        f"{statistics.median(ttfts_alone):.1f} ms alone. Note: the tiny model on this CPU recomputes a few hundred "
+        f"tokens in a few ms, no more than a Lookup + Load round trip to the daemon, so reuse is not expected to "
+        f"cut TTFT here (it saves the recompute; bench/e2e_multiround.py times a real model on a GPU).")
+    check.expect(not mismatched, "greedy outputs of A/B are identical to the recompute-only runner's"
+                 + (f" ({len(mismatched)} differ, first: {mismatched[0]})" if mismatched else ""))
+    check.expect(bad_sums == 0, "cached_tokens equals the sum of cached_tokens_by_tier in every reply")
+    check.expect(total["host"] > 0 and total["disk"] > 0,
+                 f"runners reused tokens from the daemon's host ({total['host']}) and disk ({total['disk']}) tiers")
+    check.expect(all(o > 0 for o in other_by_round[1:]),
+                 "every round after the first reused KV that only the other runner had computed")
+
+    stats = daemon.wait_for_spills()
+    c = stats.counters
+    say(f"daemon: {stats.sessions} sessions; {c.stores} blocks stored, {c.spills} spilled to disk, loads "
+        f"{c.loads_host} from host + {c.loads_disk} from disk (blocks of {TOKENS_PER_BLOCK} tokens), "
+        f"{c.load_misses} misses")
+    check.expect(stats.sessions == 2, f"two runner sessions on the daemon, found {stats.sessions}")
+    check.expect(c.loads_host * TOKENS_PER_BLOCK == total["host"] and c.loads_disk * TOKENS_PER_BLOCK == total["disk"],
+                 "the daemon's loads by tier match the tokens the runners report by tier")
+    check.expect(c.checksum_failures == 0 and c.io_errors == 0 and c.load_failures == 0,
+                 "no checksum failures, I/O errors or failed loads")
+    for r in list(runners):
+        rc = r.stop()
+        check.expect(rc == 0, f"model runner {r.name} exited {rc}")
+        runners.remove(r)
+    rc, took = daemon.stop()
+    check.expect(rc == 0, f"daemon exit status {rc}, expected 0")
+    say(f"runners A, B and alone stopped (SIGTERM, exit 0); the daemon stopped (status {rc})")
+
+
+def parse_size(text: str) -> int:
+    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+    for unit, n in units.items():
+        if text.endswith(unit):
+            return int(text[: -len(unit)]) * n
+    return int(text)
 
 
 def run_grpcurl(daemon: Daemon, check: Checks) -> None:
@@ -609,7 +870,7 @@ def _camel(name: str) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description="kvservice demo: a daemon and two engine processes")
+    p = argparse.ArgumentParser(description="kvservice demo: a daemon, engine processes and model runners")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (daemon log, disk tier)")
     p.add_argument("--engine", help=argparse.SUPPRESS)  # internal: run as an engine process
     p.add_argument("--target", help=argparse.SUPPRESS)
