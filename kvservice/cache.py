@@ -25,7 +25,7 @@ import torch
 from kvservice.checksum import checksum
 from kvservice.clock import Clock
 from kvservice.config import Config
-from kvservice.engine_memory import EngineMemory, open_engine_memory
+from kvservice.engine_memory import EngineMemory, keep_freed_host_memory, open_engine_memory
 from kvservice.index import DiskState, Entry
 from kvservice.io_backend import BlockIO, BlockIOError, open_backend
 from kvservice.io_throttle import throttled
@@ -47,7 +47,7 @@ def _gather_with_checksums(memory: EngineMemory, block_ids: list[int]) -> tuple[
     if fused is not None:  # CUDA pools checksum chunk k while chunk k+1 is still being copied
         return fused(block_ids)
     rows = memory.gather(block_ids)
-    return rows, [checksum(rows[i]) for i in range(rows.shape[0])]
+    return rows, [checksum(row) for row in rows]
 
 
 def _read_buffers(memory: EngineMemory, n: int) -> list[torch.Tensor | None]:
@@ -76,6 +76,7 @@ class BlockCache:
     # --- lifecycle
     async def start(self) -> int:
         """Open the I/O backend, recover the disk tier, start the writers. Returns blocks recovered."""
+        keep_freed_host_memory()
         io = self._io if self._io is not None else open_backend(self.config.io_backend)
         self._io = throttled(io, self.config.disk_read_bytes_per_second, self.config.disk_write_bytes_per_second)
         self.tiers = Tiers(self.config, self._io, self.stats, self.clock.now)

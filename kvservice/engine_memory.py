@@ -14,6 +14,7 @@ row tensors rather than one [B, block_bytes] tensor: either indexes as rows[k]).
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import re
@@ -28,6 +29,21 @@ from kvservice.types import CacheError, ErrorCode
 
 SHM_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 SHM_DIR = "/dev/shm"
+
+
+SLAB_BYTES = 16 << 20  # host rows are carved from slabs below glibc's largest mmap threshold
+
+
+def keep_freed_host_memory() -> None:
+    """Let glibc keep freed host-tier slabs in the heap for reuse instead of returning them to
+    the OS, so each new Store does not pay page faults on fresh memory. Linux/glibc only."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 32 << 20)
+    libc.mallopt(m_trim_threshold, 1 << 30)
 
 
 class EngineMemory(Protocol):
@@ -119,14 +135,21 @@ class ShmEngineMemory:
         ]
         self._inflight = _InFlight()
 
-    def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
+    def gather(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
+        """One host row per block, as views into slabs of at most SLAB_BYTES: freed slabs go back
+        to the heap and are reused without fresh page faults (see keep_freed_host_memory)."""
         idx = torch.as_tensor(list(block_ids), dtype=torch.long)
+        per_slab = max(1, SLAB_BYTES // self.block_bytes)
+        rows: list[torch.Tensor] = []
         with self._inflight:
-            if len(self._views) == 1:
-                rows = self._views[0].index_select(0, idx)
-            else:
-                rows = torch.cat([v.index_select(0, idx) for v in self._views], dim=1)
-        return rows.view(torch.uint8)
+            for lo in range(0, len(idx), per_slab):
+                part = idx[lo:lo + per_slab]
+                if len(self._views) == 1:
+                    slab = self._views[0].index_select(0, part)
+                else:
+                    slab = torch.cat([v.index_select(0, part) for v in self._views], dim=1)
+                rows.extend(slab.view(torch.uint8).unbind(0))
+        return rows
 
     def scatter(self, block_ids: Sequence[int], srcs: Sequence[torch.Tensor]) -> None:
         # one memcpy per block and region, straight from each host buffer: no staging copy
