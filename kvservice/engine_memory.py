@@ -1,15 +1,15 @@
 """Engine memory: the daemon's mapping of one engine's registered KV pool.
 
 Primitives:
-  gather(block_ids) -> tensor [B, block_bytes]   copy blocks out of the engine pool
+  gather(block_ids) -> [row per block]            copy blocks out of the engine pool into host rows
   scatter(block_ids, srcs)                        copy one host buffer per block into the engine pool
   close()                                         unmap once no copy is in flight
 
 A block's bytes are the concatenation of its row in every region, in region order, so both
 block-contiguous (one region) and layer-first (2 x layers regions) pools work with one copy
 per region per batch. CPU hosts register POSIX shared memory by name; GPU hosts register a
-CUDA IPC handle (cuda_memory.CudaEngineMemory, which returns gather's rows as a list of pinned
-row tensors rather than one [B, block_bytes] tensor: either indexes as rows[k]).
+CUDA IPC handle (cuda_memory.CudaEngineMemory, whose rows are pinned). The rows become host-tier
+buffers as they are: views into slabs, so a batch costs a few copies, not one per block.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class EngineMemory(Protocol):
     block_bytes: int
     num_blocks: int
 
-    def gather(self, block_ids: Sequence[int]) -> torch.Tensor | Sequence[torch.Tensor]: ...
+    def gather(self, block_ids: Sequence[int]) -> Sequence[torch.Tensor]: ...
 
     def scatter(self, block_ids: Sequence[int], srcs: Sequence[torch.Tensor]) -> None: ...
 
