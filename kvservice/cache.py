@@ -22,10 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kvservice.checksum import checksum
 from kvservice.clock import Clock
 from kvservice.config import Config
-from kvservice.engine_memory import EngineMemory, keep_freed_host_memory, open_engine_memory
+from kvservice.engine_memory import keep_freed_host_memory, open_engine_memory
 from kvservice.index import DiskState, Entry
 from kvservice.io_backend import BlockIO, BlockIOError, open_backend
 from kvservice.io_throttle import throttled
@@ -42,20 +41,6 @@ from kvservice.types import (
 log = logging.getLogger(__name__)
 
 
-def _gather_with_checksums(memory: EngineMemory, block_ids: list[int]) -> tuple[torch.Tensor, list[int]]:
-    fused = getattr(memory, "gather_with_checksums", None)
-    if fused is not None:  # CUDA pools checksum chunk k while chunk k+1 is still being copied
-        return fused(block_ids)
-    rows = memory.gather(block_ids)
-    return rows, [checksum(row) for row in rows]
-
-
-def _read_buffers(memory: EngineMemory, n: int) -> list[torch.Tensor | None]:
-    """Where n disk reads land: pinned rows, back to back, for a CUDA pool (one H2D copy per run)."""
-    alloc = getattr(memory, "alloc_host", None)
-    return alloc(n) if alloc is not None and n else [None] * n
-
-
 class BlockCache:
     def __init__(self, config: Config, clock: Clock, io: BlockIO | None = None) -> None:
         self.config = config
@@ -69,7 +54,6 @@ class BlockCache:
         self._copy_pool = ThreadPoolExecutor(4, thread_name_prefix="kv-copy")
         self._store_latency = Histogram("store")
         self._load_latency = Histogram("load")
-        self.started_at = time.time()
         self._stopping = False
         self._background: set[asyncio.Task] = set()
 
@@ -271,7 +255,7 @@ class BlockCache:
             return complete
         loop = asyncio.get_running_loop()
         try:
-            rows, sums = await loop.run_in_executor(self._copy_pool, _gather_with_checksums, s.memory, [b for _, _, b in new])
+            rows, sums = await loop.run_in_executor(self._copy_pool, s.memory.gather_with_checksums, [b for _, _, b in new])
         except BaseException:
             t.host.unreserve(fit * size)
             for _, e, _ in new:
@@ -343,7 +327,7 @@ class BlockCache:
         # take memory buffers now: a queued spill may finish (and let go of them) while disk reads run
         mem_of = {id(e): e.memory_buf() for _, _, e in found}
         on_disk = [(i, b, e) for i, b, e in found if mem_of[id(e)] is None]
-        bufs = _read_buffers(s.memory, len(on_disk))
+        bufs = s.memory.alloc_host(len(on_disk))
         reads = await asyncio.gather(*(t.read_from_disk(e, out) for (_, _, e), out in zip(on_disk, bufs)),
                                      return_exceptions=True)
         read_of = {id(e): r for (_, _, e), r in zip(on_disk, reads)}
@@ -390,7 +374,7 @@ class BlockCache:
                 to_read.append((len(out), e))
                 out.append(PrefetchStatus.STAGED)
         try:
-            bufs = _read_buffers(s.memory, len(to_read))
+            bufs = s.memory.alloc_host(len(to_read))
             reads = await asyncio.gather(*(t.read_from_disk(e, out) for (_, e), out in zip(to_read, bufs)),
                                          return_exceptions=True)
             for (pos, e), r in zip(to_read, reads):
@@ -467,18 +451,23 @@ class BlockCache:
         t = self._t
         now = self.clock.now()
         rows: dict[str, dict] = {}
+
+        def row_of(ns_id: str, block_bytes: int) -> dict:
+            row = rows.get(ns_id)
+            if row is None:
+                rec = self.namespaces.records.get(ns_id)
+                spec = rec.spec if rec is not None else None
+                row = rows[ns_id] = dict(
+                    namespace_id=ns_id, model_id=spec.model_id if spec else "", tp_rank=spec.tp_rank if spec else 0,
+                    tp_size=spec.tp_size if spec else 0, block_bytes=rec.block_bytes if rec else block_bytes,
+                    host_blocks=0, host_bytes=0, disk_blocks=0, disk_bytes=0, retained_bytes=0,
+                    retained_cap_bytes=self.config.retained_cap_bytes, sessions=0, counters=self.stats.ns(ns_id))
+            return row
+
         for ns_id, rec in self.namespaces.records.items():
-            spec = rec.spec
-            rows[ns_id] = dict(namespace_id=ns_id, model_id=spec.model_id if spec else "",
-                               tp_rank=spec.tp_rank if spec else 0, tp_size=spec.tp_size if spec else 0,
-                               block_bytes=rec.block_bytes, host_blocks=0, host_bytes=0, disk_blocks=0, disk_bytes=0,
-                               retained_bytes=0, retained_cap_bytes=self.config.retained_cap_bytes, sessions=0,
-                               counters=self.stats.ns(ns_id))
+            row_of(ns_id, rec.block_bytes)
         for e in t.index.values():
-            row = rows.setdefault(e.namespace, dict(
-                namespace_id=e.namespace, model_id="", tp_rank=0, tp_size=0, block_bytes=e.size, host_blocks=0,
-                host_bytes=0, disk_blocks=0, disk_bytes=0, retained_bytes=0,
-                retained_cap_bytes=self.config.retained_cap_bytes, sessions=0, counters=self.stats.ns(e.namespace)))
+            row = row_of(e.namespace, e.size)
             if e.host_buf is not None:
                 row["host_blocks"] += 1
                 row["host_bytes"] += e.size

@@ -2,6 +2,8 @@
 
 Primitives:
   gather(block_ids) -> [row per block]            copy blocks out of the engine pool into host rows
+  gather_with_checksums(block_ids) -> rows, crcs  the same, with the CRC32C of each row
+  alloc_host(n) -> [buffer or None per block]     where disk reads for this pool should land
   scatter(block_ids, srcs)                        copy one host buffer per block into the engine pool
   close()                                         unmap once no copy is in flight
 
@@ -24,6 +26,7 @@ from typing import Protocol
 
 import torch
 
+from kvservice.checksum import checksum
 from kvservice.sessions_api import PoolSpec
 from kvservice.types import CacheError, ErrorCode
 
@@ -51,6 +54,10 @@ class EngineMemory(Protocol):
     num_blocks: int
 
     def gather(self, block_ids: Sequence[int]) -> Sequence[torch.Tensor]: ...
+
+    def gather_with_checksums(self, block_ids: Sequence[int]) -> tuple[Sequence[torch.Tensor], list[int]]: ...
+
+    def alloc_host(self, n: int) -> Sequence[torch.Tensor | None]: ...
 
     def scatter(self, block_ids: Sequence[int], srcs: Sequence[torch.Tensor]) -> None: ...
 
@@ -150,6 +157,13 @@ class ShmEngineMemory:
                     slab = torch.cat([v.index_select(0, part) for v in self._views], dim=1)
                 rows.extend(slab.view(torch.uint8).unbind(0))
         return rows
+
+    def gather_with_checksums(self, block_ids: Sequence[int]) -> tuple[list[torch.Tensor], list[int]]:
+        rows = self.gather(block_ids)
+        return rows, [checksum(row) for row in rows]
+
+    def alloc_host(self, n: int) -> list[None]:
+        return [None] * n  # any CPU buffer will do: the reader allocates its own
 
     def scatter(self, block_ids: Sequence[int], srcs: Sequence[torch.Tensor]) -> None:
         # one memcpy per block and region, straight from each host buffer: no staging copy
