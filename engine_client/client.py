@@ -45,6 +45,10 @@ _CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 50),
     ("grpc.min_reconnect_backoff_ms", 50),
     ("grpc.max_reconnect_backoff_ms", 2000),
+    # Channels to one target otherwise share gRPC's process-wide subchannel: a client created
+    # right after a daemon restart would inherit another client's reconnect backoff and fail
+    # with UNAVAILABLE although the daemon is SERVING.
+    ("grpc.use_local_subchannel_pool", 1),
 )
 
 T = TypeVar("T")
@@ -163,6 +167,7 @@ class AsyncKVClient:
         self._channel = grpc.aio.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
         self._stub = kvcache_pb2_grpc.KVCacheStub(self._channel)
         try:
+            await self._wait_ready()
             await self._open_session()
         except KVClientError as err:
             if err.code not in DETACHING_CODES or required:
@@ -323,13 +328,38 @@ class AsyncKVClient:
             raise from_rpc_error(err) from None
 
     # --- internals: session upkeep
+    async def _wait_ready(self) -> None:
+        """Wait (up to open_timeout) while the fresh channel connects; fail as soon as its own
+        first attempt fails, so that a missing daemon is reported at once rather than after
+        the timeout. The channel has a subchannel of its own (_CHANNEL_OPTIONS), so a failure
+        seen here is this client's, not another client's backoff."""
+        channel = self._channel
+        assert channel is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._open_timeout
+        state = channel.get_state(try_to_connect=True)
+        while state != grpc.ChannelConnectivity.READY:
+            if state in (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN):
+                raise KVClientError(grpc.StatusCode.UNAVAILABLE, "no daemon accepted the connection")
+            remaining = deadline - loop.time()
+            try:
+                if remaining <= 0:
+                    raise asyncio.TimeoutError
+                await asyncio.wait_for(channel.wait_for_state_change(state), remaining)
+            except asyncio.TimeoutError:  # not the builtin TimeoutError before 3.11
+                raise KVClientError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"channel not ready after {self._open_timeout:g} s") from None
+            state = channel.get_state(try_to_connect=True)
+
     async def _open_session(self) -> None:
         assert self._stub is not None
         request = kvcache_pb2.OpenSessionRequest(
             namespace=self.namespace.to_proto(), pool=self._pool_desc,
             hash_canary=self._canary, client_name=self.client_name)
         try:
-            reply = await self._stub.OpenSession(request, timeout=self._open_timeout)
+            # wait_for_ready: a channel still reconnecting (a daemon restarting) is waited for,
+            # up to open_timeout, instead of failing the call at once with UNAVAILABLE.
+            reply = await self._stub.OpenSession(request, timeout=self._open_timeout, wait_for_ready=True)
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err) from None
         self._session = _Session(
