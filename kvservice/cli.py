@@ -14,7 +14,9 @@ import sys
 from collections.abc import Sequence
 
 import kvservice
-from kvservice.config import Config, ConfigError, config_to_toml, load_config
+from kvservice.config import (
+    Config, ConfigError, config_to_toml, config_warnings, format_duration, format_size, load_config,
+)
 
 # field -> (flag, metavar, help); booleans get --flag / --no-flag
 FLAGS: dict[str, tuple[str, str, str]] = {
@@ -23,27 +25,38 @@ FLAGS: dict[str, tuple[str, str, str]] = {
     "allow_remote_tcp": ("--allow-remote-tcp", "", "allow --tcp on a non-loopback address"),
     "metrics_address": ("--metrics", "HOST:PORT", "serve Prometheus /metrics here"),
     "admin_token": ("--admin-token", "TOKEN", "require this token for Admin.Evict (prefer KVSERVICE_ADMIN_TOKEN)"),
-    "host_capacity_bytes": ("--host-capacity", "SIZE", "host tier size, e.g. 4GiB"),
+    "host_capacity_bytes": ("--host-capacity", "SIZE", "host tier size, e.g. 4GiB, 8Gi, 16G (G = 10^9, Gi = 2^30)"),
     "disk_path": ("--disk-path", "DIR", "disk tier directory; empty: no disk tier"),
     "disk_capacity_bytes": ("--disk-capacity", "SIZE", "disk tier size, e.g. 100GiB"),
     "admission_gate": ("--admission-gate", "GATE", "all | retained-only | min-reuse=K"),
     "protect_unexpired": ("--protect-unexpired", "", "never evict unexpired retained blocks from disk"),
     "retained_cap_bytes": ("--retained-cap", "SIZE", "retained bytes per namespace; 0: no cap"),
-    "max_ttl_seconds": ("--max-ttl", "SECONDS", "clamp retention TTLs to this (e.g. 7d)"),
-    "write_queue_depth": ("--write-queue-depth", "N", "disk writes waiting for a writer"),
+    "max_ttl_seconds": ("--max-ttl", "DURATION", "clamp retention TTLs to this (e.g. 7d, 1w, 36h)"),
+    "write_queue_depth": ("--write-queue-depth", "N", "disk writes that may wait for a writer (beyond those in progress)"),
     "write_queue_policy": ("--write-queue-policy", "POLICY", "wait | shed, when the write queue is full"),
     "writer_threads": ("--writer-threads", "N", "disk writer threads"),
     "reader_threads": ("--reader-threads", "N", "disk reader threads"),
     "io_backend": ("--io-backend", "BACKEND", "auto | posix | kvikio"),
     "disk_read_bytes_per_second": ("--disk-read-bytes-per-second", "SIZE", "cap disk reads, e.g. 200MiB; 0: no cap"),
     "disk_write_bytes_per_second": ("--disk-write-bytes-per-second", "SIZE", "cap disk writes, e.g. 200MiB; 0: no cap"),
-    "lease_seconds": ("--lease-seconds", "SECONDS", "reap a session after this long without a heartbeat"),
-    "pin_lease_seconds": ("--pin-lease-seconds", "SECONDS", "how long prefetched blocks stay pinned"),
+    "lease_seconds": ("--lease-seconds", "DURATION", "reap a session after this long without a heartbeat"),
+    "pin_lease_seconds": ("--pin-lease-seconds", "DURATION", "how long prefetched blocks stay pinned"),
     "max_batch_blocks": ("--max-batch-blocks", "N", "blocks per data RPC"),
     "max_sessions": ("--max-sessions", "N", "open engine sessions"),
     "log_level": ("--log-level", "LEVEL", "debug | info | warning | error | critical"),
 }
 assert set(FLAGS) == set(Config.__dataclass_fields__), "every Config field needs a flag"
+
+
+def _shown_default(field: str, default: object) -> str:
+    """A default as an operator would type it: 4GiB, 7d, off."""
+    if field.endswith(("_bytes", "_bytes_per_second")):
+        return format_size(int(default))  # type: ignore[call-overload]
+    if field.endswith("_seconds"):
+        return format_duration(float(default))  # type: ignore[arg-type]
+    if default == "":
+        return "none"
+    return str(default)
 
 
 def _config_flags() -> argparse.ArgumentParser:
@@ -54,7 +67,8 @@ def _config_flags() -> argparse.ArgumentParser:
         if isinstance(default, bool):
             parent.add_argument(flag, dest=field, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
-            parent.add_argument(flag, dest=field, metavar=metavar, default=None, help=f"{help_text} [{default!r}]")
+            parent.add_argument(flag, dest=field, metavar=metavar, default=None,
+                                help=f"{help_text} (default: {_shown_default(field, default)})")
     return parent
 
 
@@ -76,6 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"kvservice: configuration error: {e}", file=sys.stderr)
         return 2
+    for warning in config_warnings(config):
+        print(f"kvservice: warning: {warning}", file=sys.stderr)
     if args.command == "check-config":
         sys.stdout.write(config_to_toml(config))
         return 0

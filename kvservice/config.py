@@ -73,10 +73,12 @@ class Config:
 #     disk_path = "/var/lib/kvservice"
 #     disk_capacity_bytes = "500GB"
 #     admission_gate = "min-reuse=2"
-# Byte sizes (`*_bytes`) take an int or a string with a unit: B, KB/MB/GB/TB (powers of 1000),
-# KiB/MiB/GiB/TiB (powers of 1024). Durations (`*_seconds`) take a number or a string with
-# s/m/h/d. Environment variables are KVSERVICE_<FIELD>, e.g. KVSERVICE_HOST_CAPACITY_BYTES=8GiB;
-# KVSERVICE_CONFIG names the TOML file when no --config is given. Any other KVSERVICE_ variable
+# Byte sizes (`*_bytes`) take an int or a string with a unit, case-insensitive, as Kubernetes
+# quantities read: K/M/G/T and KB/MB/GB/TB are powers of 1000, Ki/Mi/Gi/Ti and KiB/MiB/GiB/TiB
+# powers of 1024 ("8G" = 8e9 bytes, "8Gi" = "8GiB" = 8 * 2**30). Durations (`*_seconds`) take a
+# number of seconds or a string of number-unit parts: ms, s/sec, m/min, h/hr, d/day, w/week
+# (plurals too), e.g. "90s", "90min", "1h30m", "7d", "1w". Environment variables are
+# KVSERVICE_<FIELD>, e.g. KVSERVICE_HOST_CAPACITY_BYTES=8GiB; KVSERVICE_CONFIG names the TOML file when no --config is given. Any other KVSERVICE_ variable
 # is an error, so a typo cannot silently leave a default in place.
 
 
@@ -91,11 +93,22 @@ UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
+    "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40,
     "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
 }
-_DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_NUMBER_UNIT = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
+_DURATION_UNITS = {
+    "": 1.0, "ms": 1e-3,
+    **dict.fromkeys(("s", "sec", "secs", "second", "seconds"), 1.0),
+    **dict.fromkeys(("m", "min", "mins", "minute", "minutes"), 60.0),
+    **dict.fromkeys(("h", "hr", "hrs", "hour", "hours"), 3600.0),
+    **dict.fromkeys(("d", "day", "days"), 86400.0),
+    **dict.fromkeys(("w", "week", "weeks"), 7 * 86400.0),
+}
+_NUMBER = r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
+_NUMBER_UNIT = re.compile(rf"^\s*{_NUMBER}\s*([A-Za-z]*)\s*$")
+_DURATION_PART = re.compile(rf"\s*{_NUMBER}\s*([A-Za-z]*)")
 _MIN_REUSE = re.compile(r"^min-reuse=([0-9]+)$")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -129,7 +142,7 @@ def parse_bytes(value: object) -> int:
             if n != int(n):
                 raise ValueError(f"{value!r} is not a whole number of bytes")
             return int(n)
-    raise ValueError(f"{value!r} is not a byte size (e.g. 4294967296, \"4GiB\", \"512MiB\", \"100GB\")")
+    raise ValueError(f"{value!r} is not a byte size (e.g. 4294967296, \"4GiB\", \"8Gi\", \"512MiB\", \"100GB\")")
 
 
 def parse_seconds(value: object) -> float:
@@ -141,10 +154,18 @@ def parse_seconds(value: object) -> float:
         s = value.strip()
         if s.startswith("-"):
             return -parse_seconds(s[1:])
-        m = _NUMBER_UNIT.match(s)
-        if m and m.group(2).lower() in _DURATION_UNITS:
-            return float(m.group(1)) * _DURATION_UNITS[m.group(2).lower()]
-    raise ValueError(f"{value!r} is not a duration in seconds (e.g. 30, \"90s\", \"2h\", \"7d\")")
+        total, pos, parts = 0.0, 0, 0
+        while pos < len(s):
+            m = _DURATION_PART.match(s, pos)
+            if not m or m.end() == pos or m.group(2).lower() not in _DURATION_UNITS:
+                break
+            if not m.group(2) and (parts or s[m.end():].strip()):  # a bare number only as the whole value
+                break
+            total += float(m.group(1)) * _DURATION_UNITS[m.group(2).lower()]
+            pos, parts = m.end(), parts + 1
+        if parts and not s[pos:].strip():
+            return total
+    raise ValueError(f"{value!r} is not a duration (e.g. 30, \"90s\", \"90min\", \"1h30m\", \"7d\", \"1w\")")
 
 
 def _coerce(name: str, value: object) -> object:
@@ -345,6 +366,13 @@ def validate_config(cfg: Config) -> None:
                     f"so listening beyond this host needs allow_remote_tcp = true"
                 )
 
+    physical = physical_memory_bytes()
+    if physical and cfg.host_capacity_bytes > physical:
+        raise ConfigError(
+            f"host_capacity_bytes: {format_bytes(cfg.host_capacity_bytes)} is more than this machine's "
+            f"{format_bytes(physical)} of memory (MemTotal or the cgroup limit); the host tier lives in RAM"
+        )
+
     if cfg.disk_capacity_bytes > 0 and not cfg.disk_path:
         raise ConfigError("disk_capacity_bytes: is set but disk_path is empty; set disk_path or drop the capacity")
     if cfg.disk_path:
@@ -367,6 +395,69 @@ def format_bytes(n: int) -> str:
         if n >= size:
             return f"{n / size:.4g} {unit}"
     return f"{n} B"
+
+
+def format_size(n: int) -> str:
+    """A byte size the way an operator types it and parse_bytes reads it back: 4GiB, 64MiB, 0."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+def format_duration(seconds: float) -> str:
+    """A duration the way an operator types it and parse_seconds reads it back: 7d, 90s, 1.5s."""
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
+
+
+# ---------------------------------------------------------------------------------------------
+# Host memory: a host tier larger than the machine's memory cannot be honoured
+
+
+def physical_memory_bytes() -> int:
+    """Memory this process may use: MemTotal, or a smaller cgroup (container) limit; 0 if unknown."""
+    total = _meminfo("MemTotal")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                raw = f.read().strip()
+        except OSError:
+            continue
+        if raw.isdigit() and (total == 0 or int(raw) < total):
+            total = int(raw)
+        break
+    return total
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable: what can be allocated now without swapping; 0 if unknown."""
+    return _meminfo("MemAvailable")
+
+
+def _meminfo(key: str) -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name == key:
+                    return int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """Settings the daemon runs with but an operator should hear about at start."""
+    out = []
+    available = available_memory_bytes()
+    if available and cfg.host_capacity_bytes > available:
+        out.append(f"host_capacity_bytes: {format_bytes(cfg.host_capacity_bytes)} is more than the "
+                   f"{format_bytes(available)} of memory available now (MemAvailable); the host tier may push "
+                   f"this machine into swap or the OOM killer as it fills")
+    return out
 
 
 def _toml_value(value: object) -> str:

@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 
 from kvservice import cli
-from kvservice.config import GiB, MiB, Config, ConfigError, config_to_toml, load_config, parse_bytes
+from kvservice import config as config_mod
+from kvservice.config import (
+    GiB, MiB, Config, ConfigError, config_to_toml, format_duration, format_size, load_config, parse_bytes, parse_seconds,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -236,3 +239,78 @@ def test_serve_with_unknown_env_var_exits_2(tmp_path: Path) -> None:
     proc = _run_cli("serve", "--socket-path", str(tmp_path / "kv.sock"), env_extra={"KVSERVICE_DISK_PATHS": "/data"})
     assert proc.returncode == 2
     assert "configuration error: disk_paths" in proc.stderr and "KVSERVICE_DISK_PATHS" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("8G", 8 * 10**9), ("8Gi", 8 * GiB), ("8gi", 8 * GiB), ("8GiB", 8 * GiB), ("512Mi", 512 * MiB),
+     ("100k", 100_000), ("2T", 2 * 10**12), ("1.5Ki", 1536)],
+)
+def test_byte_sizes_in_kubernetes_forms(text: str, expected: int) -> None:
+    """Scenario: an operator types sizes as Kubernetes and most tools print them (G = 10^9, Gi = 2^30)."""
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [(30, 30.0), ("30", 30.0), ("90s", 90.0), ("90min", 5400.0), ("1h30m", 5400.0), ("1h 30min", 5400.0),
+     ("7d", 7 * 86400.0), ("1w", 7 * 86400.0), ("2 weeks", 14 * 86400.0), ("36h", 36 * 3600.0), ("500ms", 0.5),
+     ("1.5h", 5400.0)],
+)
+def test_durations_in_the_forms_people_type(text: object, expected: float) -> None:
+    assert parse_seconds(text) == expected
+
+
+@pytest.mark.parametrize("text", ["1h30", "abc", "1x", "", "h", "90 minutes later"])
+def test_durations_that_mean_nothing_are_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="is not a duration"):
+        parse_seconds(text)
+
+
+def test_units_reach_the_config_from_flags_and_env(tmp_path: Path) -> None:
+    cfg = load(tmp_path, env={"KVSERVICE_MAX_TTL_SECONDS": "1w"}, host_capacity_bytes="64Mi", lease_seconds="90s")
+    assert cfg.max_ttl_seconds == 7 * 86400 and cfg.host_capacity_bytes == 64 * MiB and cfg.lease_seconds == 90
+
+
+@pytest.mark.parametrize(("n", "shown"), [(4 * GiB, "4GiB"), (64 * MiB, "64MiB"), (0, "0"), (1536, "1536")])
+def test_sizes_print_in_a_form_that_reads_back(n: int, shown: str) -> None:
+    assert format_size(n) == shown and parse_bytes(shown) == n
+
+
+@pytest.mark.parametrize(("s", "shown"), [(7 * 86400.0, "7d"), (5.0, "5s"), (5400.0, "90min"), (0.5, "0.5s")])
+def test_durations_print_in_a_form_that_reads_back(s: float, shown: str) -> None:
+    assert format_duration(s) == shown and parse_seconds(shown) == s
+
+
+def test_help_shows_defaults_as_people_write_them(capsys: pytest.CaptureFixture[str]) -> None:
+    """Scenario: `kvservice serve --help` shows 4GiB and 7d, not 4294967296 and 604800.0."""
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 4GiB)" in text and "(default: 7d)" in text and "(default: 5s)" in text
+    assert "4294967296" not in text and "604800" not in text
+
+
+def test_host_capacity_beyond_physical_memory_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scenario: --host-capacity 64GiB on a 24 GiB machine. The host tier lives in RAM, so it can never
+    be honoured: refused at start, naming both sizes, rather than swapping or OOM-killed later."""
+    monkeypatch.setattr(config_mod, "physical_memory_bytes", lambda: 24 * GiB)
+    message = refused(tmp_path, host_capacity_bytes="64GiB")
+    assert message.startswith("host_capacity_bytes:") and "64 GiB" in message and "24 GiB" in message
+    assert load(tmp_path, host_capacity_bytes="16GiB").host_capacity_bytes == 16 * GiB
+
+
+def test_host_capacity_beyond_available_memory_warns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Scenario: the machine has the memory but other processes use most of it now: the daemon starts
+    (check-config succeeds) and says so on stderr."""
+    monkeypatch.setattr(config_mod, "physical_memory_bytes", lambda: 64 * GiB)
+    monkeypatch.setattr(config_mod, "available_memory_bytes", lambda: 2 * GiB)
+    rc = cli.main(["check-config", "--socket-path", str(tmp_path / "kv.sock"), "--host-capacity", "8GiB"])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "warning: host_capacity_bytes: 8 GiB is more than the 2 GiB of memory available now" in err
+
+
+def test_this_machine_reports_its_memory() -> None:
+    assert config_mod.physical_memory_bytes() > 0 and config_mod.available_memory_bytes() > 0
