@@ -13,8 +13,8 @@ from kvservice.cache import BlockCache
 from kvservice.clock import FakeClock
 from kvservice.config import Config
 from kvservice.sessions_api import NamespaceSpec, PoolRegion, PoolSpec
+from harness.blocks import BLOCK, content, h  # noqa: F401  (re-exported for the tests)
 
-BLOCK = 4096
 CANARY = hashlib.blake2b(b"test-canary", digest_size=32).digest()
 
 
@@ -40,16 +40,6 @@ class Pool:
     def close(self) -> None:
         self.shm.close()
         self.shm.unlink()
-
-
-def content(i: int, size: int = BLOCK) -> bytes:
-    """Deterministic, distinct bytes for block number i."""
-    seed = hashlib.blake2b(i.to_bytes(8, "little"), digest_size=64).digest()
-    return (seed * (size // 64 + 1))[:size]
-
-
-def h(i: int, ns: str = "") -> bytes:
-    return hashlib.blake2b(f"{ns}/{i}".encode(), digest_size=32).digest()
 
 
 def small_config(tmp_path, **kw) -> Config:

@@ -1,6 +1,6 @@
 """End-to-end scenarios of DESIGN §5 against a real daemon subprocess and real engine processes.
 
-Engines are tests/engine_proc.py processes talking over the daemon's Unix socket; block number i
+Engines are harness/engine_proc.py processes talking over the daemon's Unix socket; block number i
 has the same bytes and hash in every process, and every load is checked byte for byte ("exact").
 Host tier 64 KiB = 16 blocks of 4 KiB, so a store of 16 new blocks pushes older ones to disk.
 """

@@ -2,20 +2,17 @@
 
 Tests marked `gpu` need a CUDA device and skip elsewhere; the others check the pieces that need no
 GPU (batch shapes, layout plans, run coalescing) and run everywhere. The gpu tests drive a real
-daemon over its Unix socket and real engine processes: this file run as a script is that engine,
-owning a CudaKVPool and obeying one JSON command per stdin line (see `engine_main`). Block number i
-has content corekit.content(i) and hash corekit.h(i) in every process; loads land in poisoned
-slots and come back checked byte for byte ("exact"), failed ones checked untouched.
+daemon over its Unix socket and real engine processes (harness/engine_proc.py --pool cuda, owning a
+CudaKVPool and obeying one JSON command per stdin line). Block number i has content content(i) and
+hash h(i) in every process; loads land in poisoned slots and come back checked byte for byte
+("exact"), failed ones checked untouched.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -29,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvservice import cuda_memory  # noqa: E402
 from kvservice.sessions_api import PoolRegion, PoolSpec  # noqa: E402
-from tests.corekit import content, h  # noqa: E402
+from harness.blocks import h  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST, DISK = 2, 3  # kvservice.v1.Tier
@@ -188,125 +185,18 @@ def test_a_cuda_pool_on_a_host_without_cuda_is_refused_with_the_reason():
     assert "no CUDA device" in err.value.message
 
 
-# --- the engine process (this file run as a script)
-
-
-def engine_main(argv: list[str]) -> None:
-    """Commands, one JSON object a line; replies likewise:
-      {"op": "store", "numbers": [...], "slots": [...], "delay_cycles": 0}  -> {"status": [...]}
-          (writes content(i) into the slots behind a GPU sleep of delay_cycles on the engine's
-          stream, records the store event and stores at once: the daemon must wait for the writes)
-      {"op": "load", "numbers": [...], "slots": [...]}  -> {"status", "tier", "message", "exact", "untouched"}
-      {"op": "lookup", "numbers": [...]}                -> {"prefix": n, "tiers": [...]}
-      {"op": "exit"}
-    """
-    from engine_client import CudaKVPool, KVClient, Namespace
-    from engine_client.errors import KVClientError
-
-    p = argparse.ArgumentParser()
-    p.add_argument("target")
-    p.add_argument("--layout", default="block-contiguous")
-    p.add_argument("--layers", type=int, default=1)
-    p.add_argument("--blocks", type=int, default=64)
-    p.add_argument("--block-bytes", type=int, default=64 << 10)
-    p.add_argument("--model", default="gpu-m")
-    a = p.parse_args(argv)
-    pool = CudaKVPool(a.blocks, a.block_bytes, a.layout, a.layers, device=0)
-    ns = Namespace(a.model, "bfloat16", 16, a.layout, 0, 1)
-    client = KVClient(a.target, ns, pool, client_name=f"test_gpu engine pid {os.getpid()}", timeout=60.0)
-    try:
-        client.connect(required=True)
-    except KVClientError as e:
-        _reply({"ready": False, "code": e.code.name, "message": e.message})
-        return
-    _reply({"ready": True, "pid": os.getpid(), "session": client.session_id, "namespace": client.namespace_id,
-            "runtime": pool.runtime})
-    bb = a.block_bytes
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        op, nums = cmd["op"], cmd.get("numbers", [])
-        slots = cmd.get("slots") or list(range(len(nums)))
-        try:
-            if op == "store":
-                srcs = [torch.frombuffer(bytearray(content(i, bb)), dtype=torch.uint8).to(pool.device) for i in nums]
-                torch.cuda.synchronize()
-                if cmd.get("delay_cycles"):
-                    torch.cuda._sleep(int(cmd["delay_cycles"]))  # the writes below queue behind this
-                for s, src in zip(slots, srcs):
-                    pool.write_block(s, src)
-                pool.record_ready()
-                rs = client.store([h(i) for i in nums], slots)
-                _reply({"status": [r.status for r in rs], "message": [r.message for r in rs]})
-            elif op == "load":
-                for s in slots:
-                    pool.write_block(s, bytes([POISON]) * bb)
-                torch.cuda.synchronize()
-                rs = client.load([h(i) for i in nums], slots)
-                got = [pool.read_block(s) for s in slots]
-                _reply({"status": [r.status for r in rs], "tier": [r.tier for r in rs],
-                        "message": [r.message for r in rs],
-                        "exact": [g == content(i, bb) for g, i in zip(got, nums)],
-                        "untouched": [g == bytes([POISON]) * bb for g in got]})
-            elif op == "lookup":
-                n, tiers = client.lookup([h(i) for i in nums])
-                _reply({"prefix": n, "tiers": list(tiers)})
-            elif op == "exit":
-                break
-            else:
-                _reply({"error": f"unknown op {op}"})
-        except KVClientError as e:
-            _reply({"error": e.code.name, "message": e.message})
-    client.close()
-    pool.close()
-
-
-def _reply(obj: dict) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
-
-class GpuEngine:
-    def __init__(self, target: str, *args: str, env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "engine", target, *args],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-                                          **(env or {})})
-        self.hello = self._read()
-        assert self.hello.get("ready"), self.hello
-
-    def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"engine process exited ({self.proc.wait(5)})")
-        return json.loads(line)
-
-    def send(self, op: str, **kw) -> None:
-        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
-        self.proc.stdin.flush()
-
-    def call(self, op: str, **kw) -> dict:
-        self.send(op, **kw)
-        return self._read()
-
-    def kill9(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.send("exit")
-                self.proc.wait(20)
-            except (BrokenPipeError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait(5)
-
-
 # --- helpers for the gpu scenarios
 
 
+def GpuEngine(target: str, *args: str, env: dict[str, str] | None = None):
+    """An engine process owning a CudaKVPool (harness/engine_proc.py --pool cuda)."""
+    from harness.engine import EngineProc
+
+    return EngineProc(target, "--pool", "cuda", *args, env=env, require_ready=True)
+
+
 def _daemon(host: str, disk: str, *extra: str):
-    from tests.daemon_kit import Daemon
+    from harness.daemon import Daemon
 
     return Daemon(host_capacity=host, disk_capacity=disk,
                   extra=["--io-backend", "auto", "--lease-seconds", "2", *extra]).start(timeout=60)
@@ -528,7 +418,4 @@ def test_twenty_kill9_cycles_leave_no_gpu_memory_or_mapping_behind():
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "engine":
-        engine_main(sys.argv[2:])
-    else:
-        sys.exit(pytest.main([__file__, *sys.argv[1:]]))
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
