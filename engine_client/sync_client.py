@@ -3,7 +3,7 @@
 The client owns an asyncio event loop running in a daemon thread; every method submits the
 async call to it (asyncio.run_coroutine_threadsafe) and waits. Any thread may call; calls from
 several threads run concurrently on the loop. `submit_load` / `submit_store` /
-`submit_prefetch` return a concurrent.futures.Future instead of waiting, so a scheduler can
+`submit_prefetch` / `submit_lookup` return a concurrent.futures.Future instead of waiting, so a scheduler can
 issue loads and keep scheduling other requests while they land.
 """
 
@@ -101,6 +101,9 @@ class KVClient:
 
     def submit_prefetch(self, hashes: Sequence[bytes]) -> concurrent.futures.Future[list[int]]:
         return self._submit(self._client.prefetch(hashes))
+
+    def submit_lookup(self, hashes: Sequence[bytes]) -> concurrent.futures.Future[tuple[int, list[int]]]:
+        return self._submit(self._client.lookup(hashes))
 
     # --- lifetime
     def close(self) -> None:

@@ -26,12 +26,9 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
-import queue
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
 
 import prometheus_client
 import torch
@@ -42,37 +39,20 @@ from model_runner.config import PRESETS, EngineConfig
 from model_runner.kv_pool import PagedKVPool
 from model_runner.metrics import EngineMetrics
 from model_runner.model import LlamaModel
-from model_runner.scheduler import LOAD_POLICIES, Phase, Scheduler, Seq
+from model_runner.requests import (
+    GenerationRequest,
+    GenerationResult,
+    Phase,
+    RequestHandle,
+    Seq,
+)
+from model_runner.scheduler import LOAD_POLICIES, Scheduler
 from model_runner.tokenizer import ByteTokenizer
 
+__all__ = ["Engine", "GenerationRequest", "GenerationResult", "RequestHandle", "check_config"]
+
 log = logging.getLogger(__name__)
-
-_END = object()  # closes a handle's token stream
 _IDLE_WAIT_S = 0.5  # safety net only: submits and finished futures wake the loop
-
-
-@dataclass(slots=True)
-class GenerationRequest:
-    prompt_ids: list[int]
-    max_tokens: int = 16
-    temperature: float = 0.0
-    seed: int | None = None
-    kv_cache_ttl_seconds: float = 0.0
-    stop_ids: tuple[int, ...] = ()
-    request_id: str = ""  # filled with a uuid when empty
-
-
-@dataclass(slots=True)
-class GenerationResult:
-    request_id: str
-    prompt_tokens: int
-    output_ids: list[int]
-    cached_tokens: int  # prompt tokens whose KV was reused, not recomputed
-    cached_by_tier: dict[str, int]  # {"gpu": n, "host": n, "disk": n}
-    ttft_s: float
-    total_s: float
-    kv_source: str  # "none" | "gpu" | "loaded" | "recomputed:" + "cheaper" | "load-failed" | "service-down"
-    finish_reason: str  # "length" | "stop"
 
 
 def check_config(cfg: EngineConfig) -> None:
@@ -88,46 +68,6 @@ def check_config(cfg: EngineConfig) -> None:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
     if cfg.prefetch_reqs < 0:
         raise ValueError(f"prefetch_reqs must be >= 0, got {cfg.prefetch_reqs}")
-
-
-class RequestHandle:
-    """The caller's side of one request: a token stream and a result."""
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self._tokens: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._result: concurrent.futures.Future[GenerationResult] = concurrent.futures.Future()
-
-    def stream(self) -> Iterator[int]:
-        """Output token ids as they are produced; raises the request's error if it failed."""
-        while True:
-            item = self._tokens.get()
-            if item is _END:
-                break
-            yield item  # type: ignore[misc]
-        exc = self._result.exception()
-        if exc is not None:
-            raise exc
-
-    def result(self, timeout: float | None = None) -> GenerationResult:
-        """Blocks until the request finished (TimeoutError after `timeout` seconds)."""
-        return self._result.result(timeout)
-
-    def done(self) -> bool:
-        return self._result.done()
-
-    # --- loop side
-    def _push(self, token: int) -> None:
-        self._tokens.put(token)
-
-    def _finish(self, result: GenerationResult) -> None:
-        self._tokens.put(_END)
-        self._result.set_result(result)
-
-    def _fail(self, exc: BaseException) -> None:
-        if not self._result.done():
-            self._tokens.put(_END)
-            self._result.set_exception(exc)
 
 
 class Engine:

@@ -1,14 +1,17 @@
 """Scheduler: which requests run, which wait for their KV, and the GPU tier's block bookkeeping.
 
-Everything here runs on the engine's loop thread and never waits on disk I/O: Load, Store and
-Prefetch go out as futures (KVClient.submit_*); only Lookup, an in-memory index query, is a
-blocking call. Per loop iteration the engine calls:
+Everything here runs on the engine's loop thread and never waits on the daemon: Lookup, Load, Store
+and Prefetch go out as futures (KVClient.submit_*). The Lookup of a request is sent when it is
+enqueued, so its round trip overlaps the model step in progress and the queueing; admission reads
+the answer (and waits only when it has not landed yet, LOOKUP_PATIENCE_S at most). Per loop iteration
+the engine calls:
 
+  enqueue(seq)    hash the prompt; send the Lookup of the blocks past the GPU tier's hit
   reclaim()       evicted blocks whose offload landed become free; finished stores drop their refs
   admit()         waiting -> parked or running, in arrival order, up to max_running:
-                  GPU radix hit -> daemon Lookup for the rest -> load or recompute (CostModel)
+                  GPU radix hit -> the Lookup's answer for the rest -> load or recompute (CostModel)
                   -> allocate (evict LRU leaves, offload them before reuse) -> submit_load, park
-  prefetch()      Prefetch for the first N still-waiting requests, once each
+  prefetch()      Prefetch for the first N still-waiting requests whose Lookup found blocks on disk, once each
   poll_parked()   parked -> running once the Load finished; recompute from the first block not loaded
 and, around the model step, prefilled(seq) and finish(seq): full blocks into the radix tree,
 write-through Store (with the request's TTL), references and blocks released.
@@ -20,16 +23,12 @@ request never waits for memory and nothing needs preempting.
 from __future__ import annotations
 
 import concurrent.futures
-import enum
 import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-import torch
+from collections.abc import Callable
+from typing import Any
 
 from engine_client.client import UNREACHABLE
 from engine_client.errors import KVClientError
@@ -39,148 +38,16 @@ from kvservice.types import BlockHash
 from kvservice.v1 import kvcache_pb2
 from model_runner.allocator import BlockAllocator
 from model_runner.config import EngineConfig
+from model_runner.cost_model import CostModel
 from model_runner.metrics import EngineMetrics
 from model_runner.radix import BlockId, Node, RadixCache
-
-if TYPE_CHECKING:
-    from model_runner.engine import GenerationRequest, RequestHandle
+from model_runner.requests import PendingLoad, Phase, Seq
 
 log = logging.getLogger(__name__)
 
 TIER_NAMES = {kvcache_pb2.TIER_HOST: "host", kvcache_pb2.TIER_DISK: "disk"}
 LOAD_POLICIES = ("auto", "always", "never")
-
-
-class Phase(enum.Enum):
-    WAITING = "waiting"  # queued; holds no blocks
-    PARKED = "parked"  # blocks allocated, a Load into them in flight
-    RUNNING = "running"  # prefilling or decoding
-    DONE = "done"  # finished or failed; holds nothing
-
-
-@dataclass(slots=True)
-class PendingLoad:
-    future: concurrent.futures.Future[list[kvcache_pb2.LoadResult]]
-    tiers: list[int]  # Lookup's tier of each block asked for
-    t_start: float
-    t_done: float = 0.0  # set by the future's callback, so queueing on the loop thread is not counted
-
-
-@dataclass(slots=True, eq=False)
-class Seq:
-    """One request's state, owned by the loop thread."""
-
-    req: GenerationRequest
-    handle: RequestHandle
-    t_submit: float
-    tokens: list[int]  # prompt, then every output token fed back
-    prompt_len: int
-    prompt_hashes: list[BlockHash] = field(default_factory=list)  # the prompt's full blocks
-    phase: Phase = Phase.WAITING
-    table: list[BlockId] = field(default_factory=list)  # block of each position // tpb, whole budget
-    held: list[Node] = field(default_factory=list)  # radix nodes this request holds a reference on
-    private: set[BlockId] = field(default_factory=set)  # blocks this request frees at the end
-    n_cached: int = 0  # leading tokens whose KV is in the pool
-    reused_blocks: int = 0  # leading prompt blocks not computed here (GPU hit or loaded)
-    cached_by_tier: dict[str, int] = field(default_factory=lambda: {"gpu": 0, "host": 0, "disk": 0})
-    kv_source: str = "none"
-    load: PendingLoad | None = None
-    prefetched: bool = False
-    stored_blocks: int = 0  # leading full blocks already written through
-    output: list[int] = field(default_factory=list)
-    t_first: float = 0.0
-    generator: torch.Generator | None = None
-
-
-class Rate:
-    """amount / seconds over recent observations, each older one weighing `decay` times less.
-
-    A ratio of decayed sums, not an average of ratios: a big prefill or load (the ones a decision
-    is about) counts for more than a small one dominated by fixed overheads.
-    """
-
-    __slots__ = ("decay", "_amount", "_seconds")
-
-    def __init__(self, decay: float = 0.8) -> None:
-        self.decay = decay
-        self._amount = 0.0
-        self._seconds = 0.0
-
-    def observe(self, amount: float, seconds: float) -> None:
-        self._amount = self.decay * self._amount + amount
-        self._seconds = self.decay * self._seconds + seconds
-
-    @property
-    def value(self) -> float | None:
-        return self._amount / self._seconds if self._seconds > 0 else None
-
-
-class CostModel:
-    """Load or recompute: running estimates of load bandwidth per tier and of prefill speed.
-
-    Bandwidth (bytes/s) comes from completed loads, prefill speed (FLOP/s, and tokens/s for
-    reporting) from completed prefills. A tier not yet measured counts as free to load from, and
-    with no prefill measured yet everything stored is loaded: the first loads measure the tiers.
-    """
-
-    def __init__(self, flops: Callable[[int, int], float]) -> None:
-        self._flops = flops
-        self._bandwidth: dict[int, Rate] = {}  # Tier -> bytes per second
-        self._prefill_flops = Rate()
-        self._prefill_tokens = Rate()
-
-    @property
-    def bandwidth(self) -> dict[int, float]:
-        """Estimated load bandwidth per Tier value, bytes per second."""
-        return {t: r.value for t, r in self._bandwidth.items() if r.value}
-
-    @property
-    def flops_per_s(self) -> float | None:
-        return self._prefill_flops.value
-
-    @property
-    def tokens_per_s(self) -> float | None:
-        return self._prefill_tokens.value
-
-    def observe_prefill(self, n_tokens: int, ctx: int, seconds: float) -> None:
-        if n_tokens > 0 and seconds > 0:
-            self._prefill_flops.observe(self._flops(n_tokens, ctx), seconds)
-            self._prefill_tokens.observe(n_tokens, seconds)
-
-    def observe_load(self, tiers: Sequence[int], block_bytes: int, seconds: float) -> None:
-        """One completed load of len(tiers) blocks. A mixed load is split using the other tiers' estimates."""
-        if not tiers or seconds <= 0:
-            return
-        count: dict[int, int] = {}
-        for t in tiers:
-            count[t] = count.get(t, 0) + 1
-        known = self.bandwidth
-        for tier, n in count.items():
-            others = [t for t in count if t != tier]
-            if all(t in known for t in others):
-                rest = seconds - sum(count[t] * block_bytes / known[t] for t in others)
-                if rest > 0:
-                    self._bandwidth.setdefault(tier, Rate()).observe(n * block_bytes, rest)
-                return
-        slowest = max(count)  # nothing to split by: charge it all to the deepest tier (a pessimistic start)
-        self._bandwidth.setdefault(slowest, Rate()).observe(count[slowest] * block_bytes, seconds)
-
-    def plan(self, tiers: Sequence[int], block_bytes: int, tokens_per_block: int, ctx: int) -> int:
-        """How many leading blocks of a stored prefix (tier of each given) to load; the rest is recomputed.
-
-        Picks the prefix length that saves the most time: the estimated recompute time of those
-        blocks (on top of `ctx` cached tokens) minus their estimated load time.
-        """
-        if self.flops_per_s is None:
-            return len(tiers)
-        best, best_gain, load_s = 0, 0.0, 0.0
-        for k, tier in enumerate(tiers, 1):
-            bw = self.bandwidth.get(tier)
-            load_s += block_bytes / bw if bw else 0.0
-            gain = self._flops(k * tokens_per_block, ctx) / self.flops_per_s - load_s
-            if gain > best_gain:
-                best, best_gain = k, gain
-        return best
+LOOKUP_PATIENCE_S = 1.0  # a Lookup unanswered this long counts as a miss: the request recomputes
 
 
 class Scheduler:
@@ -215,7 +82,24 @@ class Scheduler:
     # --- per iteration
     def enqueue(self, seq: Seq) -> None:
         seq.prompt_hashes = self.hasher.hash_blocks(seq.tokens[: seq.prompt_len])
+        self._send_lookup(seq)
         self.waiting.append(seq)
+
+    def _send_lookup(self, seq: Seq) -> None:
+        client = self.client
+        if client is None or self.cfg.load_policy == "never" or not client.attached:
+            return
+        hashes = seq.prompt_hashes[: self._usable_blocks(seq)]
+        start = self.radix.peek(hashes)
+        if start >= len(hashes):
+            return
+        try:
+            seq.lookup = client.submit_lookup(hashes[start:])
+        except KVClientError as err:
+            log.warning("lookup not sent: %s", err)
+            return
+        seq.lookup_from = start
+        seq.lookup.add_done_callback(lambda _: self.wake())
 
     def reclaim(self) -> None:
         self.alloc.reclaim()
@@ -240,13 +124,16 @@ class Scheduler:
         if n <= 0 or client is None or self.cfg.load_policy == "never" or not client.attached:
             return
         for seq in itertools.islice(self.waiting, n):
-            if seq.prefetched:
-                continue
+            fut = seq.lookup
+            if seq.prefetched or (fut is not None and not fut.done()):
+                continue  # an unanswered Lookup: decided on a later iteration
             seq.prefetched = True
-            hashes = seq.prompt_hashes[: self._usable_blocks(seq)]
-            hashes = hashes[self.radix.peek(hashes):]
-            if not hashes:
+            if fut is None or fut.cancelled() or fut.exception() is not None:
                 continue
+            stored, tiers = fut.result()
+            if kvcache_pb2.TIER_DISK not in tiers[:stored]:
+                continue  # nothing on disk (or nothing at all): a Prefetch would be a wasted round trip
+            hashes = seq.prompt_hashes[seq.lookup_from: seq.lookup_from + stored]
             try:
                 fut = client.submit_prefetch(hashes)
             except KVClientError as err:
@@ -334,6 +221,10 @@ class Scheduler:
         return (seq.prompt_len - 1) // self.tpb
 
     def _admit(self, seq: Seq) -> bool:
+        if seq.lookup is not None and not seq.lookup.done():
+            if time.monotonic() - seq.t_submit < LOOKUP_PATIENCE_S:
+                return False  # its done-callback wakes the loop
+            seq.lookup.cancel()
         hashes = seq.prompt_hashes[: self._usable_blocks(seq)]
         hits = self.radix.match(hashes)
         self.radix.acquire(hits)  # before allocating: eviction must not take our own hit
@@ -371,25 +262,43 @@ class Scheduler:
         self.parked.append(seq)
         return True
 
+    def _stored(self, seq: Seq, rest: list[BlockHash]) -> tuple[int, list[int]]:
+        """(how many of `rest` -- the blocks past the GPU hit -- the daemon holds, tier of each)."""
+        assert self.client is not None
+        fut, seq.lookup = seq.lookup, None
+        m = seq.reused_blocks
+        try:
+            if fut is not None and m >= seq.lookup_from and not fut.cancelled():
+                stored, tiers = fut.result()
+                skip = m - seq.lookup_from  # the GPU tier grew since the Lookup: those blocks are ours
+                return max(0, stored - skip), list(tiers[skip:])
+            if fut is not None and fut.cancelled():
+                return 0, []  # unanswered in time: a miss
+            # No Lookup in flight (the service was down at enqueue) or GPU blocks evicted since: ask now.
+            return self.client.lookup(rest)
+        except KVClientError as err:
+            log.warning("lookup failed: %s", err)
+            return 0, []
+
     def _plan_load(self, seq: Seq, rest: list[BlockHash]) -> tuple[int, list[int]]:
         """(blocks to load from the daemon, tier of each stored block); sets kv_source when recomputing."""
         client = self.client
         if not rest or client is None or self.cfg.load_policy == "never":
+            seq.lookup = None
             return 0, []
-        try:
-            stored, tiers = client.lookup(rest)
-        except KVClientError as err:
-            log.warning("lookup failed: %s", err)
-            stored, tiers = 0, []
+        if seq.lookup is None and not client.attached:
+            seq.kv_source = "recomputed:service-down"
+            return 0, []
+        stored, tiers = self._stored(seq, rest)
         if stored == 0:
             if not client.attached:
                 seq.kv_source = "recomputed:service-down"
             return 0, []
         if self.cfg.load_policy == "always":
-            k = stored
+            k, reason = stored, "load"
         else:
-            k = self.cost.plan(tiers, self.block_bytes, self.tpb, seq.reused_blocks * self.tpb)
-        self.metrics.decisions.labels("load" if k else "recompute").inc()
+            k, reason = self.cost.plan(tiers, self.block_bytes, self.tpb, seq.reused_blocks * self.tpb)
+        self.metrics.decisions.labels(reason).inc()
         if k == 0:
             seq.kv_source = "recomputed:cheaper"
         return k, tiers

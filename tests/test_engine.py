@@ -17,7 +17,6 @@ from kvservice.cli import FLAGS
 from kvservice.v1 import kvcache_pb2
 from model_runner.config import EngineConfig
 from model_runner.engine import Engine, GenerationRequest, GenerationResult
-from model_runner.scheduler import CostModel
 from tests.daemon_kit import Daemon
 
 TPB = 16
@@ -214,27 +213,6 @@ def test_parked_request_does_not_stall_others(daemon: Daemon, engines: Callable[
     assert again.kv_source == "recomputed:cheaper" and again.cached_tokens == 0
     assert again.output_ids == reference(other_ids, 4)
     assert b.registry.get_sample_value("model_runner_load_decisions_total", {"decision": "recompute"}) == 1
-
-
-def test_cost_model_loads_the_prefix_that_saves_the_most_time() -> None:
-    """Scenario: 1 GFLOP per block of recompute at 1 GFLOP/s (1 s a block). Host loads take 0.1 s a
-    block, disk 4 s: load the host blocks, recompute from the first disk block on. Before anything
-    is measured, load everything (that is how the estimates get measured)."""
-    cm = CostModel(lambda n, ctx: n / TPB * 1e9)
-    host, disk = kvcache_pb2.TIER_HOST, kvcache_pb2.TIER_DISK
-    assert cm.plan([host, disk], BLOCK_BYTES, TPB, 0) == 2
-    assert cm.flops_per_s is None and cm.bandwidth == {}
-    cm.observe_prefill(TPB, 0, 1.0)
-    cm.observe_load([host], BLOCK_BYTES, 0.1)
-    cm.observe_load([disk, disk], BLOCK_BYTES, 8.0)
-    assert cm.bandwidth[disk] == pytest.approx(BLOCK_BYTES / 4.0)
-    assert cm.plan([host, host, disk, disk], BLOCK_BYTES, TPB, 0) == 2
-    assert cm.plan([disk, host], BLOCK_BYTES, TPB, 0) == 0
-    cm.observe_load([host, disk], BLOCK_BYTES, 4.1)  # mixed: the host share is known, the rest is disk's
-    assert cm.bandwidth[disk] == pytest.approx(BLOCK_BYTES / 4.0)
-    fresh = CostModel(lambda n, ctx: 1.0)
-    fresh.observe_load([host, disk], BLOCK_BYTES, 2.0)  # nothing known: all of it is charged to disk
-    assert fresh.bandwidth == {disk: pytest.approx(BLOCK_BYTES / 2.0)}
 
 
 # --- prefetch for queued requests

@@ -1,0 +1,220 @@
+"""Load or recompute: what a stored prefix costs to load from each service tier, against prefilling it.
+
+Primitives:
+  observe_prefill(n, ctx, seconds)       a completed prefill of n tokens on top of ctx cached ones
+  observe_load(tiers, block_bytes, s)    a completed Load of len(tiers) blocks (tier of each block)
+  seed(tier, latency_s, bytes_per_s)     figures measured elsewhere (the daemon, a benchmark) as a start
+  plan(tiers, block_bytes, tpb, ctx)     -> Plan(blocks to load, why): the rest is recomputed
+
+A load costs a fixed latency (RPC, scheduling, a disk seek) plus bytes / bandwidth, and each tier gets
+both fitted (weighted least squares over its recent loads, newest weighing most). One number per tier
+is not enough: the first loads of a run are small and latency-dominated, so bytes / seconds of them
+understates the bandwidth by an order of magnitude, and an engine that believes it never loads again.
+
+An estimate is trusted only where it was measured: for load sizes within a factor of SPREAD of the
+sizes seen, and while its newest observation is younger than stale_s. Outside that (a tier never
+loaded, a load much bigger or smaller than any seen, an estimate gone stale) the tier is uncertain, and
+the plan loads anyway -- explores -- at most once per explore_gap_s per tier, so that a tier that looked
+slow once is measured again and a tier that is slow is not loaded from on every request. Every method
+takes no time itself: `clock` (monotonic seconds) is injected, so tests drive it by hand.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+SPREAD = 2.0  # a fit is trusted for load sizes within this factor of the sizes it was fitted on
+WINDOW = 16  # observations kept per tier
+DECAY = 0.85  # weight of an observation relative to the next newer one
+
+
+class Plan(NamedTuple):
+    blocks: int  # leading stored blocks to load; the rest is recomputed
+    reason: str  # "load" (estimated faster) | "recompute" | "explore" (loaded to measure an uncertain tier)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadFit:
+    latency_s: float  # fixed cost of one load
+    seconds_per_byte: float
+
+    def seconds(self, nbytes: float) -> float:
+        return self.latency_s + nbytes * self.seconds_per_byte
+
+    @property
+    def bytes_per_s(self) -> float:
+        return 1.0 / self.seconds_per_byte if self.seconds_per_byte > 0 else float("inf")
+
+
+class _TierLoads:
+    """Recent (bytes, seconds, when) of one tier and the affine fit through them."""
+
+    __slots__ = ("obs", "last_explore", "prior_latency")
+
+    def __init__(self) -> None:
+        self.obs: deque[tuple[float, float, float]] = deque(maxlen=WINDOW)
+        self.last_explore = float("-inf")
+        self.prior_latency = 0.0  # used while all observations have one size
+
+    def fit(self) -> LoadFit | None:
+        if not self.obs:
+            return None
+        ws, xs, ys = [], [], []
+        w = 1.0
+        for x, y, _ in reversed(self.obs):  # newest first
+            ws.append(w)
+            xs.append(x)
+            ys.append(y)
+            w *= DECAY
+        sw = sum(ws)
+        mx = sum(w * x for w, x in zip(ws, xs)) / sw
+        my = sum(w * y for w, y in zip(ws, ys)) / sw
+        if max(xs) >= SPREAD * min(xs):
+            var = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs))
+            b = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys)) / var
+            a = my - b * mx
+            if b > 0 and a >= 0:
+                return LoadFit(a, b)
+            if b > 0:  # noise put the intercept below zero: no fixed cost, slope through the origin
+                return LoadFit(0.0, sum(w * y for w, y in zip(ws, ys)) / sum(w * x for w, x in zip(ws, xs)))
+            return LoadFit(max(0.0, min(ys)), 0.0)  # time does not grow with size: all of it is fixed cost
+        # One size seen: latency and bandwidth cannot be told apart; trusted near that size only.
+        a = min(self.prior_latency, my)
+        return LoadFit(a, max(0.0, my - a) / mx)
+
+    def certain_for(self, nbytes: float, now: float, stale_s: float) -> bool:
+        if not self.obs or now - self.obs[-1][2] > stale_s:
+            return False
+        xs = [x for x, _, _ in self.obs]
+        return min(xs) / SPREAD <= nbytes <= max(xs) * SPREAD
+
+
+class _Rate:
+    """amount / seconds with older observations decayed: big prefills (the ones decisions are about)
+    weigh more than small ones dominated by fixed overheads."""
+
+    __slots__ = ("_amount", "_seconds")
+
+    def __init__(self) -> None:
+        self._amount = self._seconds = 0.0
+
+    def observe(self, amount: float, seconds: float) -> None:
+        self._amount = 0.8 * self._amount + amount
+        self._seconds = 0.8 * self._seconds + seconds
+
+    @property
+    def value(self) -> float | None:
+        return self._amount / self._seconds if self._seconds > 0 else None
+
+
+class CostModel:
+    def __init__(self, flops: Callable[[int, int], float], *, clock: Callable[[], float] = time.monotonic,
+                 stale_s: float = 30.0, explore_gap_s: float = 2.0) -> None:
+        """flops(n_tokens, ctx): prefill FLOPs of n tokens on top of ctx cached ones (LlamaModel.prefill_flops)."""
+        self._flops = flops
+        self._clock = clock
+        self.stale_s = stale_s
+        self.explore_gap_s = explore_gap_s
+        self._tiers: dict[int, _TierLoads] = {}
+        self._prefill_flops = _Rate()
+        self._prefill_tokens = _Rate()
+
+    # --- estimates
+    def fit(self, tier: int) -> LoadFit | None:
+        t = self._tiers.get(tier)
+        return t.fit() if t is not None else None
+
+    @property
+    def bandwidth(self) -> dict[int, float]:
+        """Fitted load bandwidth per Tier value, bytes per second (for metrics)."""
+        out = {}
+        for tier in self._tiers:
+            f = self.fit(tier)
+            if f is not None and f.seconds_per_byte > 0:
+                out[tier] = f.bytes_per_s
+        return out
+
+    @property
+    def flops_per_s(self) -> float | None:
+        return self._prefill_flops.value
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self._prefill_tokens.value
+
+    # --- observations
+    def seed(self, tier: int, latency_s: float, bytes_per_s: float, block_bytes: int) -> None:
+        """Start a tier from figures measured elsewhere: two synthetic loads (1 and 64 blocks), as if seen now."""
+        t = self._tiers.setdefault(tier, _TierLoads())
+        t.prior_latency = latency_s
+        now = self._clock()
+        for n in (1, 64):
+            t.obs.append((n * block_bytes, latency_s + n * block_bytes / bytes_per_s, now))
+
+    def observe_prefill(self, n_tokens: int, ctx: int, seconds: float) -> None:
+        if n_tokens > 0 and seconds > 0:
+            self._prefill_flops.observe(self._flops(n_tokens, ctx), seconds)
+            self._prefill_tokens.observe(n_tokens, seconds)
+
+    def observe_load(self, tiers: Sequence[int], block_bytes: int, seconds: float) -> None:
+        """One completed load. Mixed tiers: the shallower tiers' byte time (where trusted) is taken off
+        and the rest charged to the deepest tier, a pessimistic split when nothing is known."""
+        if not tiers or seconds <= 0:
+            return
+        now = self._clock()
+        count: dict[int, int] = {}
+        for t in tiers:
+            count[t] = count.get(t, 0) + 1
+        deepest = max(count)
+        rest = seconds
+        for tier, n in count.items():
+            if tier == deepest:
+                continue
+            f = self.fit(tier)
+            state = self._tiers.get(tier)
+            if f is not None and state is not None and state.certain_for(n * block_bytes, now, self.stale_s):
+                rest -= n * block_bytes * f.seconds_per_byte
+        if rest > 0:
+            self._tiers.setdefault(deepest, _TierLoads()).obs.append((count[deepest] * block_bytes, rest, now))
+
+    # --- the decision
+    def plan(self, tiers: Sequence[int], block_bytes: int, tokens_per_block: int, ctx: int) -> Plan:
+        """How many leading blocks of a stored prefix (tier of each given) to load.
+
+        The prefix length that saves the most estimated time (recompute time of those blocks on top
+        of `ctx` cached tokens, minus one load's latency and their bytes' time), or all of them to
+        explore a tier whose estimate is not trusted for this size (see the module docstring)."""
+        if not tiers:
+            return Plan(0, "recompute")
+        now = self._clock()
+        flops_per_s = self.flops_per_s
+        count: dict[int, int] = {}
+        for t in tiers:
+            count[t] = count.get(t, 0) + 1
+        uncertain = [t for t, n in count.items()
+                     if t not in self._tiers or not self._tiers[t].certain_for(n * block_bytes, now, self.stale_s)]
+        if flops_per_s is None or any(t not in self._tiers or not self._tiers[t].obs for t in count):
+            return Plan(len(tiers), "explore")  # nothing to compare with yet: loading is how it gets measured
+        fits = {t: self.fit(t) for t in count}
+        best, best_gain = 0, 0.0
+        byte_s, latency = 0.0, 0.0
+        for k, tier in enumerate(tiers, 1):
+            f = fits[tier]
+            if f is not None:
+                byte_s += block_bytes * f.seconds_per_byte
+                latency = max(latency, f.latency_s)
+            gain = self._flops(k * tokens_per_block, ctx) / flops_per_s - (latency + byte_s)
+            if gain > best_gain:
+                best, best_gain = k, gain
+        if best < len(tiers) and uncertain:
+            explorable = [t for t in uncertain if now - self._tiers.setdefault(t, _TierLoads()).last_explore
+                          >= self.explore_gap_s]
+            if explorable:
+                for t in explorable:
+                    self._tiers[t].last_explore = now
+                return Plan(len(tiers), "explore")
+        return Plan(best, "load" if best else "recompute")

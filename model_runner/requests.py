@@ -1,0 +1,131 @@
+"""What a request is, on both sides of the engine: the caller's GenerationRequest, RequestHandle and
+GenerationResult, and the loop thread's Seq (one request's scheduling state). Engine and Scheduler
+both import from here and not from each other.
+
+kv_source of a result: "none" (nothing cached), "gpu" (GPU-tier hit only), "loaded" (blocks
+loaded from the service), or "recomputed:<why>" for a prefix the service could not usefully
+serve: "cheaper" (recomputing was estimated faster), "load-failed", "service-down".
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import enum
+import queue
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from kvservice.types import BlockHash
+from kvservice.v1 import kvcache_pb2
+from model_runner.radix import BlockId, Node
+
+_END = object()  # closes a handle's token stream
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_tokens: int = 16
+    temperature: float = 0.0
+    seed: int | None = None
+    kv_cache_ttl_seconds: float = 0.0
+    stop_ids: tuple[int, ...] = ()  # end generation; the stop token itself is not part of output_ids
+    request_id: str = ""  # filled with a uuid when empty
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    request_id: str
+    prompt_tokens: int
+    output_ids: list[int]
+    cached_tokens: int  # prompt tokens whose KV was reused, not recomputed
+    cached_by_tier: dict[str, int]  # {"gpu": n, "host": n, "disk": n}
+    ttft_s: float
+    total_s: float
+    kv_source: str  # "none" | "gpu" | "loaded" | "recomputed:" + "cheaper" | "load-failed" | "service-down"
+    finish_reason: str  # "length" | "stop"
+
+
+class RequestHandle:
+    """The caller's side of one request: a token stream and a result."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._tokens: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._result: concurrent.futures.Future[GenerationResult] = concurrent.futures.Future()
+
+    def stream(self) -> Iterator[int]:
+        """Output token ids as they are produced; raises the request's error if it failed."""
+        while True:
+            item = self._tokens.get()
+            if item is _END:
+                break
+            yield item  # type: ignore[misc]
+        exc = self._result.exception()
+        if exc is not None:
+            raise exc
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        """Blocks until the request finished (TimeoutError after `timeout` seconds)."""
+        return self._result.result(timeout)
+
+    def done(self) -> bool:
+        return self._result.done()
+
+    # --- loop side
+    def _push(self, token: int) -> None:
+        self._tokens.put(token)
+
+    def _finish(self, result: GenerationResult) -> None:
+        self._tokens.put(_END)
+        self._result.set_result(result)
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self._result.done():
+            self._tokens.put(_END)
+            self._result.set_exception(exc)
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"  # queued; holds no blocks
+    PARKED = "parked"  # blocks allocated, a Load into them in flight
+    RUNNING = "running"  # prefilling or decoding
+    DONE = "done"  # finished or failed; holds nothing
+
+
+@dataclass(slots=True)
+class PendingLoad:
+    future: concurrent.futures.Future[list[kvcache_pb2.LoadResult]]
+    tiers: list[int]  # Lookup's tier of each block asked for
+    t_start: float
+    t_done: float = 0.0  # set by the future's callback, so queueing on the loop thread is not counted
+
+
+@dataclass(slots=True, eq=False)
+class Seq:
+    """One request's state, owned by the loop thread."""
+
+    req: GenerationRequest
+    handle: RequestHandle
+    t_submit: float
+    tokens: list[int]  # prompt, then every output token fed back
+    prompt_len: int
+    prompt_hashes: list[BlockHash] = field(default_factory=list)  # the prompt's full blocks
+    phase: Phase = Phase.WAITING
+    lookup: concurrent.futures.Future[tuple[int, list[int]]] | None = None  # sent at enqueue, read at admission
+    lookup_from: int = 0  # the block the in-flight Lookup starts at
+    table: list[BlockId] = field(default_factory=list)  # block of each position // tpb, whole budget
+    held: list[Node] = field(default_factory=list)  # radix nodes this request holds a reference on
+    private: set[BlockId] = field(default_factory=set)  # blocks this request frees at the end
+    n_cached: int = 0  # leading tokens whose KV is in the pool
+    reused_blocks: int = 0  # leading prompt blocks not computed here (GPU hit or loaded)
+    cached_by_tier: dict[str, int] = field(default_factory=lambda: {"gpu": 0, "host": 0, "disk": 0})
+    kv_source: str = "none"
+    load: PendingLoad | None = None
+    prefetched: bool = False
+    stored_blocks: int = 0  # leading full blocks already written through
+    output: list[int] = field(default_factory=list)
+    t_first: float = 0.0
+    generator: torch.Generator | None = None
