@@ -6,6 +6,11 @@ on top of its prefix already cached in the pool (see kv_pool.py for the layout):
 tokens' K (after RoPE) and V into their slots, then attends over the whole context read back from
 the pool, so a prefix computed here and a prefix loaded into other blocks give the same result.
 
+Attention is scaled_dot_product_attention on 4-D tensors with GQA through enable_gqa (no repeated
+K/V). On a GPU in bf16/fp16 it is causal by is_causal (a whole prompt) or by a bottom-right causal
+bias (new tokens after a cached prefix), both served by the flash kernel; on CPU and in float32 one
+masked call for every shape, which keeps the CPU tests exact.
+
 Weights: each part (embedding, layer i, head) draws from its own generator, seeded from
 (seed, part name), in float32, scaled by 1/sqrt(fan_in), then cast to `dtype`. The generator
 lives on the model's device: on CPU the weights are a function of the seed alone; on a GPU they
@@ -17,12 +22,12 @@ launch grid). `weights_id` fingerprints the weights actually in use, for the KV 
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from model_runner.config import ModelConfig
 
@@ -124,8 +129,7 @@ class LlamaModel:
         pos = torch.arange(start_pos, end, device=self.device)
         slot_block, slot = bt[pos // tpb], pos % tpb
         cos, sin = self._rope(pos)
-        mask = torch.arange(end, device=self.device)[None, :] <= pos[:, None]  # causal, offset by start_pos
-        group = c.n_heads // c.n_kv_heads
+        mask = self._mask(pos, n, end)
 
         x = self.embed[ids]
         for i, lay in enumerate(self.layers):
@@ -138,10 +142,9 @@ class LlamaModel:
             # Read the whole context back from the pool (new tokens included): a sequence attends to the
             # same stored bytes whether its prefix was computed in this call, an earlier one, or loaded.
             ctx = kv[bt, i].transpose(0, 1).reshape(2, n_blocks * tpb, c.n_kv_heads, c.head_dim)[:, :end]
-            keys = ctx[0].repeat_interleave(group, dim=1).transpose(0, 1)
-            values = ctx[1].repeat_interleave(group, dim=1).transpose(0, 1)
-            attn = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask)
-            x = x + F.linear(attn.transpose(0, 1).reshape(n, -1), lay.wo)
+            attn = self._attend(q.transpose(0, 1)[None], ctx[0].transpose(0, 1)[None],
+                                ctx[1].transpose(0, 1)[None], mask)
+            x = x + F.linear(attn[0].transpose(0, 1).reshape(n, -1), lay.wo)
             gate, up = F.linear(self._rms_norm(x, lay.mlp_norm), lay.w_gate_up).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, lay.w_down)
         if last_only:
@@ -168,6 +171,29 @@ class LlamaModel:
         attended = n_tokens * ctx + n_tokens * (n_tokens + 1) / 2  # sum of context lengths of the new tokens
         attention = 4.0 * c.n_layers * q_dim * attended  # QK^T and PV
         return linear + attention + 2.0 * c.hidden * c.vocab
+
+    # --- attention
+    def _fused(self) -> bool:
+        """The fused (flash) kernel path: CUDA in half precision. Elsewhere one exact path, the same
+        masked kernel for every call, so a prefix computed and a prefix loaded give the same floats."""
+        return self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
+
+    def _mask(self, pos: torch.Tensor, n: int, end: int) -> object:
+        """The causal mask of n new tokens at the end of `end` positions, in the form _attend takes."""
+        if self._fused():
+            if n == 1:
+                return None  # one new token attends to everything
+            if n == end:
+                return "causal"
+            return causal_lower_right(n, end)  # dispatches to flash's bottom-right causal kernel
+        return torch.arange(end, device=self.device)[None, :] <= pos[:, None]
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object) -> torch.Tensor:
+        """q [1, H, n, D], k and v [1, H_kv, ctx, D] -> [1, H, n, D]. GQA by enable_gqa: K/V are never
+        repeated per query head, so the flash kernel reads each KV head once."""
+        if isinstance(mask, str):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # type: ignore[arg-type]
 
     # --- helpers
     def _check_kv(self, kv: torch.Tensor) -> int:
