@@ -34,7 +34,6 @@ import mmap
 import os
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -46,6 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from harness.daemon import Daemon as HarnessDaemon, child_env  # noqa: E402
 import torch  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -188,56 +188,12 @@ class PoolView:
             buf.as_strided((self.num_blocks, r.block_bytes), (r.block_stride, 1), r.offset) for r in self.regions))
 
 
-class Daemon:
-    def __init__(self, workdir: Path, tag: str, host: int, disk_dir: str = "", disk: int = 0, threads: int = 4) -> None:
-        self.socket = str(workdir / f"{tag}.sock")
-        self.target = f"unix://{self.socket}"
-        self.log = workdir / f"daemon-{tag}.log"
-        self.argv = [sys.executable, "-m", "kvservice", "serve", "--socket-path", self.socket,
-                     "--host-capacity", str(host), "--io-backend", "auto", "--log-level", "info",
-                     "--max-batch-blocks", "65536", "--reader-threads", str(threads), "--writer-threads", str(threads)]
-        if disk_dir:
-            self.argv += ["--disk-path", disk_dir, "--disk-capacity", str(disk)]
-
-    def __enter__(self) -> Daemon:
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT),
-                                         env=_env())
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited: {self.log.read_text()}")
-            if os.path.exists(self.socket) and self._serving():
-                return self
-            time.sleep(0.1)
-        raise TimeoutError("daemon not serving")
-
-    def _serving(self) -> bool:
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        try:
-            with grpc.insecure_channel(self.target) as ch:
-                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
-                return r.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.RpcError:
-            return False
-
-    def admin(self, method: str, **kw):
-        import grpc
-
-        from kvservice.v1 import admin_pb2, admin_pb2_grpc
-
-        with grpc.insecure_channel(self.target) as ch:
-            return getattr(admin_pb2_grpc.AdminStub(ch), method)(getattr(admin_pb2, f"{method}Request")(**kw), timeout=60)
-
-    def __exit__(self, *exc: object) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+def Daemon(workdir: Path, tag: str, host: int, disk_dir: str = "", disk: int = 0, threads: int = 4) -> HarnessDaemon:
+    """The shared daemon harness, sized for this benchmark (started on `with`)."""
+    return HarnessDaemon(workdir, tag=tag, host_capacity=host, disk_capacity=disk, disk_path=disk_dir,
+                         io_backend="auto", lease_seconds=None,
+                         extra=["--max-batch-blocks", "65536", "--reader-threads", str(threads),
+                                "--writer-threads", str(threads)])
 
 
 def client_for(daemon: Daemon, view: PoolView, tag: str):
@@ -250,7 +206,7 @@ def client_for(daemon: Daemon, view: PoolView, tag: str):
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return child_env()
 
 
 def new_hashes(n: int) -> list[bytes]:

@@ -34,7 +34,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -46,12 +45,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import grpc  # noqa: E402
+from harness.daemon import Daemon as HarnessDaemon  # noqa: E402
 import torch  # noqa: E402
-from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from engine_client import KVClient, Namespace, ShmKVPool  # noqa: E402
-from kvservice.v1 import admin_pb2, admin_pb2_grpc, kvcache_pb2 as pb  # noqa: E402
+from kvservice.v1 import admin_pb2, kvcache_pb2 as pb  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 RAW_CHUNK = 4 * MiB  # raw sequential I/O chunk
@@ -62,60 +60,10 @@ READER_THREADS = 4  # the daemon's default reader_threads
 # The daemon under test
 
 
-class Daemon:
-    def __init__(self, workdir: Path, tag: str, host_capacity: int, disk_path: str = "",
-                 disk_capacity: int = 0) -> None:
-        self.socket_path = str(workdir / f"{tag}.sock")
-        self.target = f"unix://{self.socket_path}"
-        self.log_path = workdir / f"daemon-{tag}.log"
-        self.argv = [sys.executable, "-m", "kvservice", "serve", "--socket-path", self.socket_path,
-                     "--host-capacity", str(host_capacity), "--io-backend", "auto", "--log-level", "warning"]
-        if disk_path:
-            self.argv += ["--disk-path", disk_path, "--disk-capacity", str(disk_capacity)]
-        self.proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> Daemon:
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT),
-                                         env={**os.environ, "PYTHONPATH": str(ROOT)})
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited with {self.proc.returncode}: {self.log_path.read_text()}")
-            if os.path.exists(self.socket_path) and self._serving():
-                return self
-            time.sleep(0.05)
-        raise TimeoutError("daemon not SERVING after 60 s")
-
-    def _serving(self) -> bool:
-        try:
-            with grpc.insecure_channel(self.target) as ch:
-                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
-                return r.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.RpcError:
-            return False
-
-    def stats(self) -> admin_pb2.StatsReply:
-        with grpc.insecure_channel(self.target) as ch:
-            return admin_pb2_grpc.AdminStub(ch).Stats(admin_pb2.StatsRequest(), timeout=10)
-
-    def evict_all(self) -> int:
-        with grpc.insecure_channel(self.target) as ch:
-            return admin_pb2_grpc.AdminStub(ch).Evict(admin_pb2.EvictRequest(all=True), timeout=30).evicted_blocks
-
-    def evict_namespace(self, namespace_id: str) -> int:
-        with grpc.insecure_channel(self.target) as ch:
-            request = admin_pb2.EvictRequest(namespace_id=namespace_id)
-            return admin_pb2_grpc.AdminStub(ch).Evict(request, timeout=30).evicted_blocks
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+def Daemon(workdir: Path, tag: str, host_capacity: int, disk_path: str = "", disk_capacity: int = 0) -> HarnessDaemon:
+    """The shared daemon harness, sized for this benchmark (started on `with`)."""
+    return HarnessDaemon(workdir, tag=tag, host_capacity=host_capacity, disk_capacity=disk_capacity,
+                         disk_path=disk_path, io_backend="auto", lease_seconds=None, log_level="warning")
 
 
 def engine(daemon: Daemon, block_bytes: int, pool_blocks: int, model: str = "bench") -> tuple[KVClient, ShmKVPool]:

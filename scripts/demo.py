@@ -41,7 +41,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,6 +49,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from harness.daemon import Daemon as HarnessDaemon, free_tcp_port  # noqa: E402
 
 # One namespace for both engines: a tiny Llama-shaped model, bf16 KV, 16 tokens per block,
 # 4 layers x (K, V) x 4 KV heads x head_dim 64 -> 4 KiB per token, 64 KiB per block.
@@ -224,85 +224,33 @@ class Engine:
 # The daemon
 
 
-def free_tcp_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Daemon(HarnessDaemon):
+    """The shared daemon harness, as the demo shows it: start/stop report how long they took."""
 
-
-class Daemon:
     def __init__(self, workdir: Path, tcp_port: int, host_capacity: str = HOST_CAPACITY,
                  disk_capacity: str = DISK_CAPACITY) -> None:
-        self.socket_path = str(workdir / "kv.sock")
-        self.disk_path = str(workdir / "disk")
-        self.tcp = f"127.0.0.1:{tcp_port}"
-        self.target = f"unix://{self.socket_path}"
-        self.log_path = workdir / "daemon.log"
-        self.argv = [sys.executable, "-m", "kvservice", "serve",
-                     "--socket-path", self.socket_path,
-                     "--host-capacity", host_capacity,
-                     "--disk-path", self.disk_path, "--disk-capacity", disk_capacity,
-                     "--io-backend", "auto",
-                     "--tcp", self.tcp]
-        self.proc: subprocess.Popen | None = None
+        super().__init__(workdir, host_capacity=host_capacity, disk_capacity=disk_capacity, io_backend="auto",
+                         tcp=tcp_port, lease_seconds=None)
+        self.tcp = self.tcp_address
+        self.argv = [sys.executable, "-m", "kvservice", "serve", *self.args]
 
-    def start(self, timeout: float = 30.0) -> float:
+    def start(self, timeout: float = 30.0) -> float:  # type: ignore[override]
         """Start and wait for health SERVING; returns seconds it took."""
-        t0 = time.monotonic()
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT),
-                                         env={**os.environ, "PYTHONPATH": str(ROOT)})
-        while time.monotonic() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the daemon exited with status {self.proc.returncode} while starting")
-            if os.path.exists(self.socket_path) and self.health() == "SERVING":
-                return time.monotonic() - t0
-            time.sleep(0.05)
-        raise TimeoutError(f"the daemon was not SERVING {timeout:.0f} s after it started")
+        super().start(timeout)
+        return self.start_seconds
 
-    def health(self) -> str:
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        try:
-            with grpc.insecure_channel(self.target) as ch:
-                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
-                return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
-        except grpc.RpcError:
-            return "UNREACHABLE"
-
-    def admin(self, method: str):
-        import grpc
-
-        from kvservice.v1 import admin_pb2, admin_pb2_grpc
-
-        with grpc.insecure_channel(self.target) as ch:
-            return getattr(admin_pb2_grpc.AdminStub(ch), method)(getattr(admin_pb2, f"{method}Request")(), timeout=10)
-
-    def wait_for_spills(self, timeout: float = 30.0):
-        """Poll Stats until the disk write queue is empty; returns that Stats reply."""
-        deadline = time.monotonic() + timeout
-        while True:
-            stats = self.admin("Stats")
-            if stats.write_queue_depth == 0 or time.monotonic() > deadline:
-                return stats
-            time.sleep(0.05)
-
-    def stop(self, timeout: float = 30.0) -> tuple[int, float]:
+    def stop(self, timeout: float = 30.0) -> tuple[int, float]:  # type: ignore[override]
         """SIGTERM and wait; returns (exit status, seconds)."""
-        assert self.proc is not None
         t0 = time.monotonic()
-        self.proc.send_signal(signal.SIGTERM)
-        rc = self.proc.wait(timeout)
+        rc = super().stop(timeout)
         return rc, time.monotonic() - t0
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(5)
+        self.close()
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+    def wait_for_spills(self, timeout: float = 30.0):
+        """Poll Stats until the disk queues are empty; returns that Stats reply."""
+        return self.settle(timeout)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -500,7 +448,6 @@ class Checks:
 
 
 def run_demo(workdir: Path) -> int:
-    from kvservice.v1 import kvcache_pb2 as pb
 
     check = Checks()
     t_start = time.monotonic()
