@@ -40,7 +40,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -50,6 +49,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from harness.daemon import Daemon as HarnessDaemon, free_tcp_port  # noqa: E402
+from harness.runner import ModelRunner as HarnessRunner  # noqa: E402
 
 # One namespace for both engines: a tiny Llama-shaped model, bf16 KV, 16 tokens per block,
 # 4 layers x (K, V) x 4 KV heads x head_dim 64 -> 4 KiB per token, 64 KiB per block.
@@ -266,88 +266,17 @@ CONV_QUESTION_TOKENS = 40  # each round's new question
 CONV_MAX_TOKENS = 4  # each answer (greedy)
 
 
-class ModelRunner:
-    """The parent's handle on one `python -m model_runner` process."""
+class ModelRunner(HarnessRunner):
+    """The shared model-runner harness, named and sized for the demo."""
 
     def __init__(self, name: str, service: str, log_path: Path, extra: tuple[str, ...] = ()) -> None:
         self.name = name
         self.service = service
-        self.argv = [sys.executable, "-m", "model_runner", "--service", service, "--model", RUNNER_MODEL,
-                     "--port", "0", "--gpu-blocks", str(RUNNER_GPU_BLOCKS), *extra,
-                     "--client-name", f"demo-runner-{name}"]
-        self.log_path = log_path
-        self.url = ""
-        self.t0 = time.monotonic()
-        with open(log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=log, text=True, cwd=str(ROOT),
-                                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+        super().__init__(["--service", service, "--model", RUNNER_MODEL, "--gpu-blocks", str(RUNNER_GPU_BLOCKS),
+                          *extra, "--client-name", f"demo-runner-{name}"], log_path=log_path)
 
-    def wait_ready(self, timeout: float = 60.0) -> float:
-        """Wait for "model-runner listening on http://HOST:PORT"; returns seconds since the start."""
-        import re
-        import select
-
-        assert self.proc.stdout is not None
-        deadline = self.t0 + timeout
-        while not self.url:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"model runner {self.name} not listening {timeout:.0f} s after it started")
-            if not select.select([self.proc.stdout], [], [], left)[0]:
-                continue
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"model runner {self.name} exited with {self.proc.wait(10)}: "
-                                   f"{''.join(self.log_tail(1)).strip()}")
-            m = re.search(r"model-runner listening on (http://\S+)", line)
-            if m:
-                self.url = m.group(1)
-        return time.monotonic() - self.t0
-
-    def complete(self, prompt: list[int], max_tokens: int = CONV_MAX_TOKENS) -> dict:
-        """POST /v1/completions with token ids, greedy; the parsed JSON reply."""
-        import http.client
-        from urllib.parse import urlsplit
-
-        u = urlsplit(self.url)
-        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
-        try:
-            conn.request("POST", "/v1/completions",
-                         json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}),
-                         {"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            body = resp.read()
-        finally:
-            conn.close()
-        if resp.status != 200:
-            raise RuntimeError(f"runner {self.name}: HTTP {resp.status}: {body[:300]!r}")
-        return json.loads(body)
-
-    def stop(self, timeout: float = 20.0) -> int:
-        """SIGTERM (the runner stops its HTTP server, flushes stores, closes its session) and wait."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        rc = self.proc.wait(5)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        return rc
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(5)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-
-    def log_tail(self, n: int) -> list[str]:
-        try:
-            return self.log_path.read_text(errors="replace").splitlines()[-n:]
-        except OSError:
-            return []
+    def complete(self, prompt: list[int], max_tokens: int = CONV_MAX_TOKENS) -> dict:  # type: ignore[override]
+        return super().complete(prompt, max_tokens)
 
 
 # ----------------------------------------------------------------------------------------------
