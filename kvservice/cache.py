@@ -192,6 +192,8 @@ class BlockCache:
 
     async def store(self, session_id: SessionId, refs: Sequence[tuple[bytes, int]], ttl_seconds: float,
                     namespace_id: str = "") -> list[StoreResult]:
+        """Plan (no await), copy, commit. Every reservation the plan makes - index entries that are
+        not ready, host room - is rolled back if the call fails or is cancelled at any await."""
         t0 = time.perf_counter()
         s = self._session(session_id, namespace_id)
         self._check_refs(s, refs)
@@ -200,24 +202,32 @@ class BlockCache:
         now = self.clock.now()
         results: list[StoreResult | None] = [None] * len(refs)
         new: list[tuple[int, Entry, int]] = []  # (position, entry, engine block id)
-        touched: list[Entry] = []
+        touched: list[tuple[int, Entry]] = []
         for i, (h, b) in enumerate(refs):
             key = BlockKey(s.namespace, BlockHash(h))
             e = t.index.get_any(key)
             if e is not None:
                 self.stats.bump(s.namespace, "store_hits")
-                results[i] = await self._retain_one(e, ttl, now, StoreStatus.ALREADY_STORED) if e.ready \
-                    else StoreResult(StoreStatus.ALREADY_STORED)
-                touched.append(e)
+                touched.append((i, e))
                 continue
             e = Entry(key, s.block_bytes, 0, now, pins=1, ready=False)
             t.index.add(e)
             new.append((i, e, b))
-        t.host.touch(touched)
-        if t.disk is not None:
-            t.disk.touch(touched)
-        if new:
-            await self._store_new(s, new, ttl, now, results)
+        try:
+            t.host.touch([e for _, e in touched])
+            if t.disk is not None:
+                t.disk.touch([e for _, e in touched])
+            # hits are retained first: a block this Store retains is no victim of its own evictions
+            for i, e in touched:
+                results[i] = await self._retain_one(e, ttl, now, StoreStatus.ALREADY_STORED) if e.ready \
+                    else StoreResult(StoreStatus.ALREADY_STORED)
+            if new:
+                await self._store_new(s, new, ttl, now, results)
+        finally:
+            # whatever is still not ready was reserved by this call and never committed
+            for _, e, _ in new:
+                if not e.ready:
+                    t.index.remove(e)
         self._store_latency.observe(time.perf_counter() - t0)
         return [r if r is not None else StoreResult(StoreStatus.FAILED, message="internal error") for r in results]
 
@@ -242,7 +252,8 @@ class BlockCache:
         size = s.block_bytes
         # head first: when only part of the chain fits, keep its prefix
         fit = min(len(new), t.evictable_host_bytes(now, len(new) * size) // size)
-        if fit and not await t.make_host_room(fit * size, now):
+        spills = t.make_host_room(fit * size, now) if fit else None
+        if spills is None:
             fit = 0
         for i, e, _ in new[fit:]:
             t.index.remove(e)
@@ -253,13 +264,15 @@ class BlockCache:
         new = new[:fit]
         if not new:
             return complete
-        loop = asyncio.get_running_loop()
+        reserved = fit * size
         try:
-            rows, sums = await loop.run_in_executor(self._copy_pool, s.memory.gather_with_checksums, [b for _, _, b in new])
+            # the spills belong to the tiers, not to this call: cancelling the Store must not abandon them
+            pending = t.spill(spills, now)
+            if pending is not None:
+                await asyncio.shield(pending)
+            rows, sums = await self._copy(s.memory.gather_with_checksums, [b for _, _, b in new])
         except BaseException:
-            t.host.unreserve(fit * size)
-            for _, e, _ in new:
-                t.index.remove(e)
+            t.host.unreserve(reserved)
             raise
         entries = [e for _, e, _ in new]
         for (_, e, _), c in zip(new, sums):
@@ -267,10 +280,16 @@ class BlockCache:
             e.ready = True
             e.pins -= 1
         t.host.add(entries, [rows[k] for k in range(len(entries))], reserved=True)
-        for i, e, _ in new:
+        for _, e, _ in new:
             self.stats.bump(s.namespace, "stores")
+        for i, e, _ in new:
             results[i] = await self._retain_one(e, ttl, now, StoreStatus.STORED) if ttl else StoreResult(StoreStatus.STORED)
         return complete
+
+    async def _copy(self, fn, *args):
+        """Run one copy job on the copy pool. When the caller is cancelled the job still runs to
+        its end in its thread; the caller's rollback must not hand its memory to anyone before."""
+        return await asyncio.get_running_loop().run_in_executor(self._copy_pool, fn, *args)
 
     async def _retain_one(self, e: Entry, ttl: float, now: float, status: StoreStatus) -> StoreResult:
         if not ttl:
@@ -506,3 +525,29 @@ class BlockCache:
         t = self._t
         return dict(write_queue_depth=t.writes.depth, write_queue_capacity=t.writes.capacity,
                     read_queue_depth=t.reads_in_flight)
+
+    def audit(self) -> list[str]:
+        """What is inconsistent right now, in words (empty: nothing). Call it when no call is in
+        flight: then no entry is half-made, nothing is pinned, and each tier's room is the sum of
+        the blocks it holds. Tests and the property machine check it after every step."""
+        t = self._t
+        problems: list[str] = []
+        entries = list(t.index.values())
+        half = [e for e in entries if not e.ready]
+        if half:
+            problems.append(f"{len(half)} entries reserved but never committed")
+        pinned = [e for e in entries if e.pins]
+        if pinned:
+            problems.append(f"{len(pinned)} entries still pinned by copies or reads")
+        owners = {s.id for s in self._sessions.all()}
+        orphans = [k for k, (e, _) in self._leases.items() if e.lease_owner not in owners]
+        if orphans:
+            problems.append(f"{len(orphans)} prefetch leases held by no open session")
+        host = sum(e.size for e in entries if e.host_buf is not None)
+        if host != t.host.used_bytes:
+            problems.append(f"host tier accounts {t.host.used_bytes} bytes, its blocks hold {host}")
+        if t.disk is not None:
+            disk = sum(e.size for e in entries if e.disk != DiskState.NONE)
+            if disk != t.disk.used_bytes:
+                problems.append(f"disk tier accounts {t.disk.used_bytes} bytes, its blocks hold {disk}")
+        return problems

@@ -1,7 +1,8 @@
 """Tiers: the index, host tier, disk tier and retention, and every move between them.
 
 Primitives (all state changes happen on the event loop thread; bytes move in thread pools):
-  make_host_room(nbytes, now) -> bool     evict host LRU victims (spill or drop) for nbytes
+  make_host_room(nbytes, now) -> spills   evict host LRU victims (spill or drop) for nbytes, reserve
+  spill(spills, now) -> task              queue those spills, owned by the tiers (not by the caller)
   read_from_disk(entry) -> buffer         read and checksum-verify; a bad block is discarded
   onboard(entry, buf, now)                put a disk block read back into the host tier
   remove(entry)                           forget a block everywhere (admin evict, corruption)
@@ -49,7 +50,7 @@ class Tiers:
         self.writes: WriteQueue[Entry] = WriteQueue(
             config.write_queue_depth, config.writer_threads, config.write_queue_policy, self._write_job)
         self.reads_in_flight = 0
-        self._header_tasks: set[asyncio.Task[None]] = set()
+        self._header_tasks: set[asyncio.Future] = set()  # header rewrites and spill submissions
 
     # --- lifecycle
     def start(self) -> None:
@@ -78,6 +79,8 @@ class Tiers:
         return len(jobs)
 
     async def drain(self) -> None:
+        while self._header_tasks:  # spill submissions first (they feed the queue), header rewrites
+            await asyncio.gather(*self._header_tasks, return_exceptions=True)
         await self.writes.drain()
         if self._header_tasks:
             await asyncio.gather(*self._header_tasks, return_exceptions=True)
@@ -110,22 +113,46 @@ class Tiers:
         return len(result.blocks)
 
     # --- host tier
-    async def make_host_room(self, nbytes: int, now: float) -> bool:
-        """Evict host victims until nbytes fit, and reserve them (the caller adds with
-        reserved=True or unreserves). False, with nothing evicted, if pins forbid it."""
+    def make_host_room(self, nbytes: int, now: float) -> list[Entry] | None:
+        """Evict host victims until nbytes fit and reserve them (the caller adds with reserved=True
+        or unreserves). Returns the victims that must be spilled (hand them to spill), or
+        None, with nothing evicted, if pins forbid it. No await: nothing can come between the plan
+        and the reservation, and a cancelled caller has nothing half-made to undo but the room."""
         if nbytes > self.host.capacity_bytes:
-            return False
+            return None
         victims = self._host_plan(nbytes, now)
         if victims is None:
-            return False
+            return None
         # retained victims claim disk room before best-effort ones
         victims.sort(key=lambda e: not e.retained(now))
         spills = [v for v in victims if self._evict_from_host(v, now)]
-        # reserve before the first await so a concurrent Store cannot take the room
         self.host.reserve(nbytes)
-        for v in spills:
-            await self._submit_spill(v, now)
-        return True
+        return spills
+
+    def spill(self, spills: list[Entry], now: float) -> asyncio.Future[None] | None:
+        """Queue the spills make_host_room chose. What the queue cannot take now is submitted by a
+        task of the tiers' own, returned: a caller that awaits it (backpressure under the "wait"
+        policy) through asyncio.shield may be cancelled without abandoning them. drain() waits
+        for these tasks. None: all queued, nothing to wait for."""
+        for k, v in enumerate(spills):
+            if not self.writes.try_submit(v):  # the queue is full: the rest waits (or sheds) in a task
+                task = asyncio.ensure_future(self._submit_spills(spills[k:], now))
+                self._header_tasks.add(task)
+                task.add_done_callback(self._header_tasks.discard)
+                return task
+        return None
+
+    async def _submit_spills(self, spills: list[Entry], now: float) -> None:
+        """A spill not submitted (the daemon is stopping) is abandoned, never left QUEUED."""
+        for k, v in enumerate(spills):
+            try:
+                await self._submit_spill(v, now)
+            except BaseException:
+                for rest in spills[k:]:
+                    if rest.disk == DiskState.QUEUED and rest.spill_buf is not None:
+                        self.stats.bump(rest.namespace, "drops_pressure")
+                        self._abandon_spill(rest)
+                raise
 
     def _host_plan(self, nbytes: int, now: float) -> list[Entry] | None:
         """LRU victims freeing nbytes, or None."""
@@ -216,8 +243,17 @@ class Tiers:
     async def onboard_evicting(self, e: Entry, buf: torch.Tensor) -> bool:
         if self.index.get_any(e.key) is not e or e.memory_buf() is not None:
             return False
-        if not await self.make_host_room(e.size, self.now()):
+        now = self.now()
+        spills = self.make_host_room(e.size, now)
+        if spills is None:
             return False
+        try:
+            pending = self.spill(spills, now)
+            if pending is not None:
+                await asyncio.shield(pending)
+        except BaseException:
+            self.host.unreserve(e.size)
+            raise
         return self.onboard(e, buf, reserved=True)
 
     # --- disk tier

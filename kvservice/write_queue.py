@@ -43,6 +43,13 @@ class WriteQueue(Generic[J]):
         await self._q.put(job)
         return True
 
+    def try_submit(self, job: J) -> bool:
+        """Enqueue without waiting; False (nothing queued) when the queue is full."""
+        if self._q.full():
+            return False
+        self._q.put_nowait(job)
+        return True
+
     async def drain(self) -> None:
         await self._q.join()
 
