@@ -255,11 +255,20 @@ class BlockCache:
         spills = t.make_host_room(fit * size, now) if fit else None
         if spills is None:
             fit = 0
+        if fit < len(new):
+            pinned, protected = t.host_blockers(now)
+            if protected:  # DESIGN §5 protect-unexpired: refused admission, counted
+                why = ("the rest of it holds unexpired retained blocks that cannot spill: the disk tier is full of "
+                       "unexpired retained blocks and protect_unexpired is on")
+                self.stats.bump(s.namespace, "admission_refusals", len(new) - fit)
+            elif pinned:
+                why = "the rest of it is pinned by loads or prefetches in flight"
+            else:
+                why = "a concurrent call took the rest"
         for i, e, _ in new[fit:]:
             t.index.remove(e)
             results[i] = StoreResult(
-                StoreStatus.NOT_STORED,
-                message=f"host tier has room for {fit} of {len(new)} blocks: the rest of it is pinned by loads or prefetches")
+                StoreStatus.NOT_STORED, message=f"host tier has room for {fit} of {len(new)} blocks: {why}")
         complete = fit == len(new)
         new = new[:fit]
         if not new:
@@ -461,6 +470,26 @@ class BlockCache:
                 n += 1
         return n
 
+    def describe_blocks(self, namespace: NamespaceId, hashes: Sequence[bytes]) -> list[dict | None]:
+        """Admin.DescribeBlocks: where each block is and what holds it, read-only; None: not stored."""
+        if len(hashes) > self.config.max_batch_blocks:
+            raise CacheError(ErrorCode.RESOURCE_EXHAUSTED,
+                             f"{len(hashes)} hashes exceed max_batch_blocks = {self.config.max_batch_blocks}")
+        t = self._t
+        now = self.clock.now()
+        if namespace not in self.namespaces.records and not any(e.namespace == namespace for e in t.index.values()):
+            raise CacheError(ErrorCode.NOT_FOUND, f"namespace {namespace!r} has no blocks and no sessions")
+        out: list[dict | None] = []
+        for h in hashes:
+            e = t.index.get(BlockKey(namespace, BlockHash(h)))
+            if e is None or e.tier == Tier.NONE:
+                out.append(None)
+                continue
+            tiers = (["host"] if e.memory_buf() is not None else []) + (["disk"] if e.disk == DiskState.ON_DISK else [])
+            out.append(dict(tiers=tiers, disk=e.disk.name.lower(), deadline=e.deadline, retained=e.retained(now),
+                            pinned=e.pinned(now), bytes=e.size, reuse=e.reuse, stored_at=e.stored_at))
+        return out
+
     def sessions(self) -> list[SessionInfo]:
         now = self.clock.now()
         return [SessionInfo(s.id, s.namespace, s.client_name, s.pool.kind, s.pool.num_blocks, s.opened_at,
@@ -523,7 +552,8 @@ class BlockCache:
 
     def queue_depths(self) -> dict[str, int]:
         t = self._t
-        return dict(write_queue_depth=t.writes.depth, write_queue_capacity=t.writes.capacity,
+        return dict(write_queue_depth=t.writes.waiting, writes_in_progress=t.writes.in_flight,
+                    write_queue_high_water=t.writes.high_water, write_queue_capacity=t.writes.capacity,
                     read_queue_depth=t.reads_in_flight)
 
     def audit(self) -> list[str]:

@@ -9,9 +9,11 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
+from google.protobuf.timestamp_pb2 import Timestamp
+
 from kvservice.sessions_api import NamespaceSpec, OpenedSession, PoolRegion, PoolSpec, SessionInfo
 from kvservice.stats import Counters, Histogram
-from kvservice.types import CacheError, ErrorCode, LoadResult, PrefetchStatus, StoreResult, Tier
+from kvservice.types import HASH_BYTES, CacheError, ErrorCode, LoadResult, PrefetchStatus, StoreResult, Tier
 from kvservice.v1 import admin_pb2, kvcache_pb2
 
 SHM_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
@@ -186,6 +188,38 @@ def namespace_stats(d: Mapping[str, object]) -> admin_pb2.NamespaceStats:
     return msg
 
 
+def timestamp(unix_seconds: float) -> Timestamp:
+    ts = Timestamp()
+    ts.FromNanoseconds(int(round(unix_seconds * 1e9)))
+    return ts
+
+
+def hex_hashes(hashes: Sequence[str]) -> list[bytes]:
+    """Admin.DescribeBlocks hashes: hex strings of HASH_BYTES bytes each (grpcurl-friendly)."""
+    out = []
+    for i, h in enumerate(hashes):
+        try:
+            b = bytes.fromhex(h.strip())
+        except ValueError:
+            raise CacheError(ErrorCode.INVALID_ARGUMENT, f"hashes[{i}]: {h[:80]!r} is not a hex string") from None
+        if len(b) != HASH_BYTES:
+            raise CacheError(ErrorCode.INVALID_ARGUMENT,
+                             f"hashes[{i}]: {len(b)} bytes, expected {HASH_BYTES} ({2 * HASH_BYTES} hex digits)")
+        out.append(b)
+    return out
+
+
+def block_info(hash_hex: str, d: Mapping[str, object] | None) -> admin_pb2.BlockInfo:
+    if d is None:
+        return admin_pb2.BlockInfo(hash=hash_hex, stored=False)
+    msg = admin_pb2.BlockInfo(hash=hash_hex, stored=True, tiers=d["tiers"], disk=d["disk"], retained=d["retained"],
+                              pinned=d["pinned"], bytes=d["bytes"], reuse=d["reuse"],
+                              stored_at=timestamp(float(d["stored_at"])))  # type: ignore[arg-type]
+    if d["deadline"]:
+        msg.retained_until.CopyFrom(timestamp(float(d["deadline"])))  # type: ignore[arg-type]
+    return msg
+
+
 def session_info(s: SessionInfo) -> admin_pb2.SessionInfo:
     return admin_pb2.SessionInfo(
         session_id=s.session_id,
@@ -193,7 +227,7 @@ def session_info(s: SessionInfo) -> admin_pb2.SessionInfo:
         client_name=s.client_name,
         pool_kind=s.pool_kind,
         pool_blocks=s.pool_blocks,
-        opened_at=s.opened_at,
+        opened_at=timestamp(s.opened_at),
         lease_expires_in=s.lease_expires_in,
         pinned_blocks=s.pinned_blocks,
     )

@@ -34,6 +34,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             counters=convert.counters(c.counters),
             namespaces=[convert.namespace_stats(n) for n in c.namespace_stats()],
             write_queue_depth=queues.get("write_queue_depth", 0),
+            writes_in_progress=queues.get("writes_in_progress", 0),
+            write_queue_high_water=queues.get("write_queue_high_water", 0),
             write_queue_capacity=queues.get("write_queue_capacity", 0),
             read_queue_depth=queues.get("read_queue_depth", 0),
             latencies=[convert.histogram(h) for h in c.latencies],
@@ -71,6 +73,17 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                 'Evict needs exactly one target: namespace_id (non-empty), "expired": true or "all": true',
             )
         return admin_pb2.EvictReply(evicted_blocks=evicted)
+
+    @maps_cache_errors
+    async def DescribeBlocks(
+        self, request: admin_pb2.DescribeBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.DescribeBlocksReply:
+        if not request.namespace_id:
+            raise CacheError(ErrorCode.INVALID_ARGUMENT, "namespace_id is required (see Admin/ListNamespaces)")
+        hashes = convert.hex_hashes(request.hashes)
+        details = self._cache.describe_blocks(NamespaceId(request.namespace_id), hashes)
+        return admin_pb2.DescribeBlocksReply(
+            blocks=[convert.block_info(h.hex(), d) for h, d in zip(hashes, details)])
 
     async def GetConfig(
         self, request: admin_pb2.GetConfigRequest, context: grpc.aio.ServicerContext

@@ -193,6 +193,22 @@ class Tiers:
                 room -= e.size
             yield e
 
+    def host_blockers(self, now: float) -> tuple[int, int]:
+        """(pinned, protected) bytes of host blocks make_host_room may not evict now: pinned by
+        copies, reads or leases, or unexpired retained ones the disk cannot admit (protect-unexpired)."""
+        protect = self.disk is not None and self.config.protect_unexpired
+        room = self._disk_room(now) if protect else 0
+        pinned = protected = 0
+        for e in self.host.entries_oldest_first():
+            if e.pinned(now):
+                pinned += e.size
+            elif protect and e.disk == DiskState.NONE and e.retained(now):
+                if e.size > room:
+                    protected += e.size
+                else:
+                    room -= e.size
+        return pinned, protected
+
     def _disk_room(self, now: float) -> int:
         """Disk bytes a spill could get without evicting an unexpired retained block."""
         assert self.disk is not None

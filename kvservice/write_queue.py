@@ -28,19 +28,29 @@ class WriteQueue(Generic[J]):
         self._handler = handler
         self._n_writers = writers
         self._tasks: list[asyncio.Task[None]] = []
-        self.in_flight = 0
+        self.in_flight = 0  # jobs a writer is doing now
+        self.high_water = 0  # most jobs ever waiting for a writer at once
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._writer(), name=f"disk-writer-{i}") for i in range(self._n_writers)]
 
     @property
+    def waiting(self) -> int:
+        """Jobs no writer has taken yet (at most `capacity`)."""
+        return self._q.qsize()
+
+    @property
     def depth(self) -> int:
+        """Jobs not finished: waiting plus in progress."""
         return self._q.qsize() + self.in_flight
 
     async def submit(self, job: J, sheddable: bool) -> bool:
         if self._q.full() and self.policy == "shed" and sheddable:
             return False
         await self._q.put(job)
+        # a job an idle writer is about to take is not waiting for one
+        idle = max(0, self._n_writers - self.in_flight) if self._tasks else 0
+        self.high_water = max(self.high_water, self._q.qsize() - idle)
         return True
 
     def try_submit(self, job: J) -> bool:

@@ -23,45 +23,52 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvservice/v1/admin.proto\x12\x0ckvservice.v1\"\x85\x01\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\x12\x15\n\rpinned_blocks\x18\x05 \x01(\x04\x12\x17\n\x0fretained_blocks\x18\x06 \x01(\x04\"\xfc\x04\n\x08\x43ounters\x12\x0e\n\x06stores\x18\x01 \x01(\x04\x12\x12\n\nstore_hits\x18\x02 \x01(\x04\x12\x12\n\nloads_host\x18\x03 \x01(\x04\x12\x12\n\nloads_disk\x18\x04 \x01(\x04\x12\x13\n\x0bload_misses\x18\x05 \x01(\x04\x12\x15\n\rload_failures\x18\x06 \x01(\x04\x12\x0e\n\x06spills\x18\x07 \x01(\x04\x12\x15\n\rdisk_onboards\x18\x08 \x01(\x04\x12\x16\n\x0ehost_evictions\x18\t \x01(\x04\x12\x1f\n\x17\x64isk_evictions_unmarked\x18\n \x01(\x04\x12\x1e\n\x16\x64isk_evictions_expired\x18\x0b \x01(\x04\x12\x1f\n\x17\x64isk_evictions_retained\x18\x0c \x01(\x04\x12\x12\n\ndrops_gate\x18\r \x01(\x04\x12\x16\n\x0e\x64rops_pressure\x18\x0e \x01(\x04\x12\x15\n\rdrops_no_disk\x18\x0f \x01(\x04\x12\x1a\n\x12\x61\x64mission_refusals\x18\x10 \x01(\x04\x12\x1b\n\x13retain_cap_refusals\x18\x11 \x01(\x04\x12\x19\n\x11\x63hecksum_failures\x18\x12 \x01(\x04\x12\x11\n\tio_errors\x18\x13 \x01(\x04\x12\x17\n\x0fprefetch_staged\x18\x14 \x01(\x04\x12\x15\n\rprefetch_used\x18\x15 \x01(\x04\x12\x17\n\x0fprefetch_wasted\x18\x16 \x01(\x04\x12\x18\n\x10\x62locks_offloaded\x18\x17 \x01(\x04\x12\x1a\n\x12\x62locks_loaded_back\x18\x18 \x01(\x04\x12\x15\n\rrecovery_rate\x18\x19 \x01(\x01\x12\x17\n\x0f\x65victions_admin\x18\x1a \x01(\x04\"U\n\tHistogram\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x62ounds\x18\x02 \x03(\x01\x12\x0e\n\x06\x63ounts\x18\x03 \x03(\x04\x12\r\n\x05\x63ount\x18\x04 \x01(\x04\x12\x0b\n\x03sum\x18\x05 \x01(\x01\"\xb1\x02\n\x0eNamespaceStats\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\x04\x12\x13\n\x0bhost_blocks\x18\x06 \x01(\x04\x12\x12\n\nhost_bytes\x18\x07 \x01(\x04\x12\x13\n\x0b\x64isk_blocks\x18\x08 \x01(\x04\x12\x12\n\ndisk_bytes\x18\t \x01(\x04\x12\x16\n\x0eretained_bytes\x18\n \x01(\x04\x12\x1a\n\x12retained_cap_bytes\x18\x0b \x01(\x04\x12(\n\x08\x63ounters\x18\x0c \x01(\x0b\x32\x16.kvservice.v1.Counters\x12\x10\n\x08sessions\x18\r \x01(\r\"\x0e\n\x0cStatsRequest\"\xde\x02\n\nStatsReply\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x12\n\nio_backend\x18\x02 \x01(\t\x12&\n\x05tiers\x18\x03 \x03(\x0b\x32\x17.kvservice.v1.TierStats\x12(\n\x08\x63ounters\x18\x04 \x01(\x0b\x32\x16.kvservice.v1.Counters\x12\x30\n\nnamespaces\x18\x05 \x03(\x0b\x32\x1c.kvservice.v1.NamespaceStats\x12\x19\n\x11write_queue_depth\x18\x06 \x01(\r\x12\x1c\n\x14write_queue_capacity\x18\x07 \x01(\r\x12\x18\n\x10read_queue_depth\x18\x08 \x01(\r\x12*\n\tlatencies\x18\t \x03(\x0b\x32\x17.kvservice.v1.Histogram\x12\x10\n\x08sessions\x18\n \x01(\r\x12\x16\n\x0euptime_seconds\x18\x0b \x01(\x01\"\x17\n\x15ListNamespacesRequest\"G\n\x13ListNamespacesReply\x12\x30\n\nnamespaces\x18\x01 \x03(\x0b\x32\x1c.kvservice.v1.NamespaceStats\"\xb8\x01\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\t\x12\x13\n\x0b\x63lient_name\x18\x03 \x01(\t\x12\x11\n\tpool_kind\x18\x04 \x01(\t\x12\x13\n\x0bpool_blocks\x18\x05 \x01(\r\x12\x11\n\topened_at\x18\x06 \x01(\x01\x12\x18\n\x10lease_expires_in\x18\x07 \x01(\x01\x12\x15\n\rpinned_blocks\x18\x08 \x01(\r\"\x15\n\x13ListSessionsRequest\"@\n\x11ListSessionsReply\x12+\n\x08sessions\x18\x01 \x03(\x0b\x32\x19.kvservice.v1.SessionInfo\"g\n\x0c\x45victRequest\x12\x16\n\x0cnamespace_id\x18\x01 \x01(\tH\x00\x12\x11\n\x07\x65xpired\x18\x02 \x01(\x08H\x00\x12\r\n\x03\x61ll\x18\x03 \x01(\x08H\x00\x12\x13\n\x0b\x61\x64min_token\x18\x04 \x01(\tB\x08\n\x06target\"$\n\nEvictReply\x12\x16\n\x0e\x65victed_blocks\x18\x01 \x01(\x04\"\x12\n\x10GetConfigRequest\"\x1e\n\x0eGetConfigReply\x12\x0c\n\x04toml\x18\x01 \x01(\t2\xfe\x02\n\x05\x41\x64min\x12=\n\x05Stats\x12\x1a.kvservice.v1.StatsRequest\x1a\x18.kvservice.v1.StatsReply\x12X\n\x0eListNamespaces\x12#.kvservice.v1.ListNamespacesRequest\x1a!.kvservice.v1.ListNamespacesReply\x12R\n\x0cListSessions\x12!.kvservice.v1.ListSessionsRequest\x1a\x1f.kvservice.v1.ListSessionsReply\x12=\n\x05\x45vict\x12\x1a.kvservice.v1.EvictRequest\x1a\x18.kvservice.v1.EvictReply\x12I\n\tGetConfig\x12\x1e.kvservice.v1.GetConfigRequest\x1a\x1c.kvservice.v1.GetConfigReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvservice/v1/admin.proto\x12\x0ckvservice.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x85\x01\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\x12\x15\n\rpinned_blocks\x18\x05 \x01(\x04\x12\x17\n\x0fretained_blocks\x18\x06 \x01(\x04\"\xfc\x04\n\x08\x43ounters\x12\x0e\n\x06stores\x18\x01 \x01(\x04\x12\x12\n\nstore_hits\x18\x02 \x01(\x04\x12\x12\n\nloads_host\x18\x03 \x01(\x04\x12\x12\n\nloads_disk\x18\x04 \x01(\x04\x12\x13\n\x0bload_misses\x18\x05 \x01(\x04\x12\x15\n\rload_failures\x18\x06 \x01(\x04\x12\x0e\n\x06spills\x18\x07 \x01(\x04\x12\x15\n\rdisk_onboards\x18\x08 \x01(\x04\x12\x16\n\x0ehost_evictions\x18\t \x01(\x04\x12\x1f\n\x17\x64isk_evictions_unmarked\x18\n \x01(\x04\x12\x1e\n\x16\x64isk_evictions_expired\x18\x0b \x01(\x04\x12\x1f\n\x17\x64isk_evictions_retained\x18\x0c \x01(\x04\x12\x12\n\ndrops_gate\x18\r \x01(\x04\x12\x16\n\x0e\x64rops_pressure\x18\x0e \x01(\x04\x12\x15\n\rdrops_no_disk\x18\x0f \x01(\x04\x12\x1a\n\x12\x61\x64mission_refusals\x18\x10 \x01(\x04\x12\x1b\n\x13retain_cap_refusals\x18\x11 \x01(\x04\x12\x19\n\x11\x63hecksum_failures\x18\x12 \x01(\x04\x12\x11\n\tio_errors\x18\x13 \x01(\x04\x12\x17\n\x0fprefetch_staged\x18\x14 \x01(\x04\x12\x15\n\rprefetch_used\x18\x15 \x01(\x04\x12\x17\n\x0fprefetch_wasted\x18\x16 \x01(\x04\x12\x18\n\x10\x62locks_offloaded\x18\x17 \x01(\x04\x12\x1a\n\x12\x62locks_loaded_back\x18\x18 \x01(\x04\x12\x15\n\rrecovery_rate\x18\x19 \x01(\x01\x12\x17\n\x0f\x65victions_admin\x18\x1a \x01(\x04\"U\n\tHistogram\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x62ounds\x18\x02 \x03(\x01\x12\x0e\n\x06\x63ounts\x18\x03 \x03(\x04\x12\r\n\x05\x63ount\x18\x04 \x01(\x04\x12\x0b\n\x03sum\x18\x05 \x01(\x01\"\xb1\x02\n\x0eNamespaceStats\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\x04\x12\x13\n\x0bhost_blocks\x18\x06 \x01(\x04\x12\x12\n\nhost_bytes\x18\x07 \x01(\x04\x12\x13\n\x0b\x64isk_blocks\x18\x08 \x01(\x04\x12\x12\n\ndisk_bytes\x18\t \x01(\x04\x12\x16\n\x0eretained_bytes\x18\n \x01(\x04\x12\x1a\n\x12retained_cap_bytes\x18\x0b \x01(\x04\x12(\n\x08\x63ounters\x18\x0c \x01(\x0b\x32\x16.kvservice.v1.Counters\x12\x10\n\x08sessions\x18\r \x01(\r\"\x0e\n\x0cStatsRequest\"\x9a\x03\n\nStatsReply\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x12\n\nio_backend\x18\x02 \x01(\t\x12&\n\x05tiers\x18\x03 \x03(\x0b\x32\x17.kvservice.v1.TierStats\x12(\n\x08\x63ounters\x18\x04 \x01(\x0b\x32\x16.kvservice.v1.Counters\x12\x30\n\nnamespaces\x18\x05 \x03(\x0b\x32\x1c.kvservice.v1.NamespaceStats\x12\x19\n\x11write_queue_depth\x18\x06 \x01(\r\x12\x1c\n\x14write_queue_capacity\x18\x07 \x01(\r\x12\x18\n\x10read_queue_depth\x18\x08 \x01(\r\x12*\n\tlatencies\x18\t \x03(\x0b\x32\x17.kvservice.v1.Histogram\x12\x10\n\x08sessions\x18\n \x01(\r\x12\x16\n\x0euptime_seconds\x18\x0b \x01(\x01\x12\x1a\n\x12writes_in_progress\x18\x0c \x01(\r\x12\x1e\n\x16write_queue_high_water\x18\r \x01(\r\"\x17\n\x15ListNamespacesRequest\"G\n\x13ListNamespacesReply\x12\x30\n\nnamespaces\x18\x01 \x03(\x0b\x32\x1c.kvservice.v1.NamespaceStats\"\xda\x01\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\t\x12\x13\n\x0b\x63lient_name\x18\x03 \x01(\t\x12\x11\n\tpool_kind\x18\x04 \x01(\t\x12\x13\n\x0bpool_blocks\x18\x05 \x01(\r\x12-\n\topened_at\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x18\n\x10lease_expires_in\x18\x07 \x01(\x01\x12\x15\n\rpinned_blocks\x18\x08 \x01(\rJ\x04\x08\x06\x10\x07\"\x15\n\x13ListSessionsRequest\"@\n\x11ListSessionsReply\x12+\n\x08sessions\x18\x01 \x03(\x0b\x32\x19.kvservice.v1.SessionInfo\"g\n\x0c\x45victRequest\x12\x16\n\x0cnamespace_id\x18\x01 \x01(\tH\x00\x12\x11\n\x07\x65xpired\x18\x02 \x01(\x08H\x00\x12\r\n\x03\x61ll\x18\x03 \x01(\x08H\x00\x12\x13\n\x0b\x61\x64min_token\x18\x04 \x01(\tB\x08\n\x06target\"$\n\nEvictReply\x12\x16\n\x0e\x65victed_blocks\x18\x01 \x01(\x04\"=\n\x15\x44\x65scribeBlocksRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12\x0e\n\x06hashes\x18\x02 \x03(\t\"\xe9\x01\n\tBlockInfo\x12\x0c\n\x04hash\x18\x01 \x01(\t\x12\x0e\n\x06stored\x18\x02 \x01(\x08\x12\r\n\x05tiers\x18\x03 \x03(\t\x12\x0c\n\x04\x64isk\x18\x04 \x01(\t\x12\x32\n\x0eretained_until\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08retained\x18\x06 \x01(\x08\x12\x0e\n\x06pinned\x18\x07 \x01(\x08\x12\r\n\x05\x62ytes\x18\x08 \x01(\x04\x12\r\n\x05reuse\x18\t \x01(\r\x12-\n\tstored_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\">\n\x13\x44\x65scribeBlocksReply\x12\'\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x17.kvservice.v1.BlockInfo\"\x12\n\x10GetConfigRequest\"\x1e\n\x0eGetConfigReply\x12\x0c\n\x04toml\x18\x01 \x01(\t2\xd8\x03\n\x05\x41\x64min\x12=\n\x05Stats\x12\x1a.kvservice.v1.StatsRequest\x1a\x18.kvservice.v1.StatsReply\x12X\n\x0eListNamespaces\x12#.kvservice.v1.ListNamespacesRequest\x1a!.kvservice.v1.ListNamespacesReply\x12R\n\x0cListSessions\x12!.kvservice.v1.ListSessionsRequest\x1a\x1f.kvservice.v1.ListSessionsReply\x12=\n\x05\x45vict\x12\x1a.kvservice.v1.EvictRequest\x1a\x18.kvservice.v1.EvictReply\x12I\n\tGetConfig\x12\x1e.kvservice.v1.GetConfigRequest\x1a\x1c.kvservice.v1.GetConfigReply\x12X\n\x0e\x44\x65scribeBlocks\x12#.kvservice.v1.DescribeBlocksRequest\x1a!.kvservice.v1.DescribeBlocksReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvservice.v1.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIERSTATS']._serialized_start=43
-  _globals['_TIERSTATS']._serialized_end=176
-  _globals['_COUNTERS']._serialized_start=179
-  _globals['_COUNTERS']._serialized_end=815
-  _globals['_HISTOGRAM']._serialized_start=817
-  _globals['_HISTOGRAM']._serialized_end=902
-  _globals['_NAMESPACESTATS']._serialized_start=905
-  _globals['_NAMESPACESTATS']._serialized_end=1210
-  _globals['_STATSREQUEST']._serialized_start=1212
-  _globals['_STATSREQUEST']._serialized_end=1226
-  _globals['_STATSREPLY']._serialized_start=1229
-  _globals['_STATSREPLY']._serialized_end=1579
-  _globals['_LISTNAMESPACESREQUEST']._serialized_start=1581
-  _globals['_LISTNAMESPACESREQUEST']._serialized_end=1604
-  _globals['_LISTNAMESPACESREPLY']._serialized_start=1606
-  _globals['_LISTNAMESPACESREPLY']._serialized_end=1677
-  _globals['_SESSIONINFO']._serialized_start=1680
-  _globals['_SESSIONINFO']._serialized_end=1864
-  _globals['_LISTSESSIONSREQUEST']._serialized_start=1866
-  _globals['_LISTSESSIONSREQUEST']._serialized_end=1887
-  _globals['_LISTSESSIONSREPLY']._serialized_start=1889
-  _globals['_LISTSESSIONSREPLY']._serialized_end=1953
-  _globals['_EVICTREQUEST']._serialized_start=1955
-  _globals['_EVICTREQUEST']._serialized_end=2058
-  _globals['_EVICTREPLY']._serialized_start=2060
-  _globals['_EVICTREPLY']._serialized_end=2096
-  _globals['_GETCONFIGREQUEST']._serialized_start=2098
-  _globals['_GETCONFIGREQUEST']._serialized_end=2116
-  _globals['_GETCONFIGREPLY']._serialized_start=2118
-  _globals['_GETCONFIGREPLY']._serialized_end=2148
-  _globals['_ADMIN']._serialized_start=2151
-  _globals['_ADMIN']._serialized_end=2533
+  _globals['_TIERSTATS']._serialized_start=76
+  _globals['_TIERSTATS']._serialized_end=209
+  _globals['_COUNTERS']._serialized_start=212
+  _globals['_COUNTERS']._serialized_end=848
+  _globals['_HISTOGRAM']._serialized_start=850
+  _globals['_HISTOGRAM']._serialized_end=935
+  _globals['_NAMESPACESTATS']._serialized_start=938
+  _globals['_NAMESPACESTATS']._serialized_end=1243
+  _globals['_STATSREQUEST']._serialized_start=1245
+  _globals['_STATSREQUEST']._serialized_end=1259
+  _globals['_STATSREPLY']._serialized_start=1262
+  _globals['_STATSREPLY']._serialized_end=1672
+  _globals['_LISTNAMESPACESREQUEST']._serialized_start=1674
+  _globals['_LISTNAMESPACESREQUEST']._serialized_end=1697
+  _globals['_LISTNAMESPACESREPLY']._serialized_start=1699
+  _globals['_LISTNAMESPACESREPLY']._serialized_end=1770
+  _globals['_SESSIONINFO']._serialized_start=1773
+  _globals['_SESSIONINFO']._serialized_end=1991
+  _globals['_LISTSESSIONSREQUEST']._serialized_start=1993
+  _globals['_LISTSESSIONSREQUEST']._serialized_end=2014
+  _globals['_LISTSESSIONSREPLY']._serialized_start=2016
+  _globals['_LISTSESSIONSREPLY']._serialized_end=2080
+  _globals['_EVICTREQUEST']._serialized_start=2082
+  _globals['_EVICTREQUEST']._serialized_end=2185
+  _globals['_EVICTREPLY']._serialized_start=2187
+  _globals['_EVICTREPLY']._serialized_end=2223
+  _globals['_DESCRIBEBLOCKSREQUEST']._serialized_start=2225
+  _globals['_DESCRIBEBLOCKSREQUEST']._serialized_end=2286
+  _globals['_BLOCKINFO']._serialized_start=2289
+  _globals['_BLOCKINFO']._serialized_end=2522
+  _globals['_DESCRIBEBLOCKSREPLY']._serialized_start=2524
+  _globals['_DESCRIBEBLOCKSREPLY']._serialized_end=2586
+  _globals['_GETCONFIGREQUEST']._serialized_start=2588
+  _globals['_GETCONFIGREQUEST']._serialized_end=2606
+  _globals['_GETCONFIGREPLY']._serialized_start=2608
+  _globals['_GETCONFIGREPLY']._serialized_end=2638
+  _globals['_ADMIN']._serialized_start=2641
+  _globals['_ADMIN']._serialized_end=3113
 # @@protoc_insertion_point(module_scope)

@@ -60,6 +60,11 @@ class AdminStub:
                 request_serializer=kvservice_dot_v1_dot_admin__pb2.GetConfigRequest.SerializeToString,
                 response_deserializer=kvservice_dot_v1_dot_admin__pb2.GetConfigReply.FromString,
                 _registered_method=True)
+        self.DescribeBlocks = channel.unary_unary(
+                '/kvservice.v1.Admin/DescribeBlocks',
+                request_serializer=kvservice_dot_v1_dot_admin__pb2.DescribeBlocksRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_admin__pb2.DescribeBlocksReply.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -95,6 +100,12 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DescribeBlocks(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -122,6 +133,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.GetConfig,
                     request_deserializer=kvservice_dot_v1_dot_admin__pb2.GetConfigRequest.FromString,
                     response_serializer=kvservice_dot_v1_dot_admin__pb2.GetConfigReply.SerializeToString,
+            ),
+            'DescribeBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeBlocks,
+                    request_deserializer=kvservice_dot_v1_dot_admin__pb2.DescribeBlocksRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_admin__pb2.DescribeBlocksReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -259,6 +275,33 @@ class Admin:
             '/kvservice.v1.Admin/GetConfig',
             kvservice_dot_v1_dot_admin__pb2.GetConfigRequest.SerializeToString,
             kvservice_dot_v1_dot_admin__pb2.GetConfigReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.Admin/DescribeBlocks',
+            kvservice_dot_v1_dot_admin__pb2.DescribeBlocksRequest.SerializeToString,
+            kvservice_dot_v1_dot_admin__pb2.DescribeBlocksReply.FromString,
             options,
             channel_credentials,
             insecure,
