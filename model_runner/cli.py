@@ -1,4 +1,4 @@
-"""`model-runner`: the reference engine behind an OpenAI-style HTTP endpoint.
+"""`model-runner`: the reference engine behind an OpenAI-compatible HTTP endpoint.
 
     model-runner --service unix:///run/kvservice/kvservice.sock --model tiny --port 8001
 
@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--service", default=d.service, metavar="TARGET",
                    help="kvservice daemon, e.g. unix:///run/kvservice/kvservice.sock; empty: GPU tier only")
     p.add_argument("--model", default=d.model, choices=sorted(PRESETS), help="model shape preset")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model names clients may ask for (the first is the default) [the preset's name]")
     p.add_argument("--host", default="127.0.0.1", help="HTTP listen address")
     p.add_argument("--port", type=int, default=8001, help="HTTP port; 0 picks a free one")
     p.add_argument("--device", default=d.device, help="cpu | cuda | cuda:N")
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     engine.start()
     try:
         try:
-            server = serve_http(engine, args.host, args.port, model_name=cfg.model,
+            server = serve_http(engine, args.host, args.port, served_names=args.served_model_name or [cfg.model],
                                 request_timeout_s=args.request_timeout)
         except OSError as e:
             log.error("cannot listen on %s:%s: %s", args.host, args.port, e)

@@ -18,7 +18,8 @@ kv_source of a result: "none" (nothing cached), "gpu" (GPU-tier hit only), "load
 loaded from the service), or "recomputed:<why>" for a prefix the service could not usefully
 serve: "cheaper" (recomputing was estimated faster), "load-failed", "service-down". With
 load_policy "never" the service is not consulted for loads at all (so "none" or "gpu").
-stop_ids end generation; the stop token itself is not part of output_ids (nor is EOS implied).
+stop_ids end generation; the stop token itself is not part of output_ids (nor is EOS implied: the
+HTTP front adds it). Output tokens are sampled among ByteTokenizer.output_ids() only.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from model_runner.model import LlamaModel
 from model_runner.requests import (
     GenerationRequest,
     GenerationResult,
+    Listener,
     Phase,
     RequestHandle,
     Seq,
@@ -82,6 +84,8 @@ class Engine:
         self.model = LlamaModel(self.model_cfg, dtype=dtype, device=cfg.device, seed=cfg.seed)
         self.pool = PagedKVPool(self.model_cfg, cfg.num_gpu_blocks, cfg.tokens_per_block, dtype, cfg.device)
         self.namespace = self.pool.namespace(self.model.weights_id)
+        self._output_ids_list = self.tokenizer.output_ids()
+        self._output_ids = torch.tensor(self._output_ids_list, dtype=torch.long, device=self.model.device)
         self._warm_up()
         self.client: KVClient | None = None
         if cfg.service:
@@ -145,8 +149,9 @@ class Engine:
         self.stop()
 
     # --- requests
-    def submit(self, req: GenerationRequest) -> RequestHandle:
-        """Queue a request (any thread). ValueError for a request this engine can never serve."""
+    def submit(self, req: GenerationRequest, listener: Listener | None = None) -> RequestHandle:
+        """Queue a request (any thread). ValueError for a request this engine can never serve.
+        listener: see RequestHandle (called on the loop thread)."""
         vocab = self.model_cfg.vocab
         if not req.prompt_ids:
             raise ValueError("prompt_ids must not be empty")
@@ -164,7 +169,7 @@ class Engine:
                              f"blocks; the pool has {self.cfg.num_gpu_blocks} of {self.cfg.tokens_per_block} tokens")
         if not req.request_id:
             req.request_id = uuid.uuid4().hex
-        handle = RequestHandle(req.request_id)
+        handle = RequestHandle(req.request_id, listener)
         prompt = [int(t) for t in req.prompt_ids]
         seq = Seq(req=req, handle=handle, t_submit=time.monotonic(), tokens=prompt, prompt_len=len(prompt))
         with self._lock:
@@ -204,6 +209,9 @@ class Engine:
         stepped = bool(s.running)
         for seq in list(s.running):
             try:
+                if seq.handle.cancelled:
+                    self._finish(seq, "abort")
+                    continue
                 self._advance(seq)
             except Exception as exc:  # noqa: BLE001  # one bad request must not take the others down
                 log.exception("request %s failed", seq.req.request_id)
@@ -242,7 +250,9 @@ class Engine:
                 seq.generator.manual_seed(seq.req.seed)
             else:
                 seq.generator.seed()
-        return self.model.sample(row, t, seq.generator)
+        # Only ids the tokenizer prints (ByteTokenizer.output_ids): a random-weight model's vocabulary is
+        # far larger, and an id that decodes to nothing reaches a client as an empty chunk (no TTFT).
+        return self._output_ids_list[self.model.sample(row[self._output_ids], t, seq.generator)]
 
     def _emit(self, seq: Seq, token: int) -> None:
         now = time.monotonic()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import enum
 import queue
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -45,16 +45,29 @@ class GenerationResult:
     ttft_s: float
     total_s: float
     kv_source: str  # "none" | "gpu" | "loaded" | "recomputed:" + "cheaper" | "load-failed" | "service-down"
-    finish_reason: str  # "length" | "stop"
+    finish_reason: str  # "length" | "stop" (a stop id) | "abort" (cancelled)
+
+
+Listener = Callable[[int | None, GenerationResult | None, BaseException | None], None]
 
 
 class RequestHandle:
-    """The caller's side of one request: a token stream and a result."""
+    """The caller's side of one request: a token stream and a result, and cancel().
 
-    def __init__(self, request_id: str) -> None:
+    `listener`, when given, is called on the engine's loop thread with (token, None, None) for each
+    output token, then (None, result, None) or (None, None, error): an async server hands these to
+    its event loop (call_soon_threadsafe) instead of parking a thread per request on stream()."""
+
+    def __init__(self, request_id: str, listener: Listener | None = None) -> None:
         self.request_id = request_id
+        self._listener = listener
         self._tokens: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._result: concurrent.futures.Future[GenerationResult] = concurrent.futures.Future()
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        """Ask the engine to end the request at its next step (finish_reason "abort"); any thread."""
+        self.cancelled = True
 
     def stream(self) -> Iterator[int]:
         """Output token ids as they are produced; raises the request's error if it failed."""
@@ -77,15 +90,21 @@ class RequestHandle:
     # --- loop side
     def _push(self, token: int) -> None:
         self._tokens.put(token)
+        if self._listener is not None:
+            self._listener(token, None, None)
 
     def _finish(self, result: GenerationResult) -> None:
         self._tokens.put(_END)
         self._result.set_result(result)
+        if self._listener is not None:
+            self._listener(None, result, None)
 
     def _fail(self, exc: BaseException) -> None:
         if not self._result.done():
             self._tokens.put(_END)
             self._result.set_exception(exc)
+            if self._listener is not None:
+                self._listener(None, None, exc)
 
 
 class Phase(enum.Enum):
