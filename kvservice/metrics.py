@@ -4,6 +4,11 @@ No bookkeeping here: every sample comes from BlockCache (tier_stats, namespace_s
 queue_depths, latencies, sessions) when Prometheus scrapes. The HTTP server runs in a thread,
 so when given the daemon's event loop the collector takes its snapshot on that loop and never
 reads core state while a request is changing it.
+
+Conventions (promtool check metrics): counters end in _total and exist from the first scrape,
+before any namespace does (a sample with namespace="" holds what no namespace was charged with);
+per-namespace series carry the namespace id and its model id; a quotient is a _ratio; the
+standard process_* and python_* series come from prometheus-client's own collectors.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -28,6 +33,32 @@ log = logging.getLogger(__name__)
 
 SNAPSHOT_TIMEOUT_S = 5.0
 _COUNTER_NAMES = [f.name for f in fields(Counters)] + ["blocks_offloaded", "blocks_loaded_back"]
+_COUNTER_HELP = {
+    "stores": "Blocks stored (new)",
+    "store_hits": "Blocks already present at Store",
+    "loads_host": "Blocks loaded from the host tier",
+    "loads_disk": "Blocks loaded from the disk tier",
+    "load_misses": "Blocks asked for by Load that were not stored",
+    "load_failures": "Blocks whose Load failed (checksum or I/O); the block was discarded",
+    "spills": "Host victims written to disk",
+    "disk_onboards": "Disk blocks read back into the host tier",
+    "host_evictions": "Blocks that left host memory",
+    "drops_gate": "Host victims the admission gate kept off disk",
+    "drops_pressure": "Best-effort spills shed by a full write queue",
+    "drops_no_disk": "Host victims dropped because there is no disk tier",
+    "admission_refusals": "Blocks refused because the disk is full of protected retained blocks",
+    "retain_cap_refusals": "TTLs refused by the per-namespace retained-bytes cap",
+    "prefetch_wasted": "Prefetched blocks whose lease ran out before a Load used them",
+    "blocks_offloaded": "Blocks offloaded (= stores)",
+    "blocks_loaded_back": "Blocks loaded back (= loads_host + loads_disk)",
+}
+_QUEUE_GAUGES = (
+    ("write_queue_depth", "Disk writes waiting for a writer"),
+    ("writes_in_progress", "Disk writes a writer is doing now"),
+    ("write_queue_high_water", "Most disk writes waiting at once since start"),
+    ("write_queue_capacity", "Disk writes that may wait (the configured write_queue_depth)"),
+    ("read_queue_depth", "Disk reads in progress"),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +66,7 @@ class _Snapshot:
     io_backend: str
     tiers: list[dict]
     total: dict[str, float]
-    by_namespace: list[tuple[str, dict[str, float]]]
+    by_namespace: list[tuple[str, str, dict[str, float]]]  # (namespace id, model id, counters)
     queues: dict[str, int]
     latencies: list[tuple[str, tuple[float, ...], list[int], int, float]]
     sessions: int
@@ -50,7 +81,8 @@ def _snapshot(cache: BlockCache) -> _Snapshot:
         tiers=[dict(t) for t in cache.tier_stats()],
         total=cache.counters.as_dict(),
         by_namespace=[
-            (str(n["namespace_id"]), n["counters"].as_dict()) for n in cache.namespace_stats() if "counters" in n
+            (str(n["namespace_id"]), str(n.get("model_id", "")), n["counters"].as_dict())
+            for n in cache.namespace_stats() if "counters" in n
         ],
         queues=dict(cache.queue_depths()),
         latencies=[copy_hist(h) for h in cache.latencies],
@@ -100,21 +132,24 @@ class CacheCollector(Collector):
             yield g
 
         for name in _COUNTER_NAMES:
-            c = CounterMetricFamily(f"kvservice_{name}", f"Counters.{name}, per namespace", labels=["namespace"])
+            c = CounterMetricFamily(f"kvservice_{name}", _COUNTER_HELP.get(name, name.replace("_", " ")) +
+                                    ", per namespace", labels=["namespace", "model"])
             attributed = 0.0
-            for ns, values in s.by_namespace:
-                c.add_metric([ns], values[name])
+            for ns, model, values in s.by_namespace:
+                c.add_metric([ns, model], values[name])
                 attributed += values[name]
-            # Whatever the core counted outside any namespace, so that sum() equals the global figure.
-            if s.total[name] > attributed:
-                c.add_metric([""], s.total[name] - attributed)
+            # What the core counted outside any namespace, so that sum() equals the global figure;
+            # always present before the first namespace, so that rate() has a series from the start.
+            if s.total[name] > attributed or not s.by_namespace:
+                c.add_metric(["", ""], s.total[name] - attributed)
             yield c
 
         yield GaugeMetricFamily(
-            "kvservice_recovery_rate", "Blocks loaded back / blocks offloaded", value=s.total["recovery_rate"]
+            "kvservice_recovery_ratio", "Blocks loaded back / blocks offloaded since start (can exceed 1)",
+            value=s.total["recovery_rate"],
         )
-        for key in ("write_queue_depth", "write_queue_capacity", "read_queue_depth"):
-            yield GaugeMetricFamily(f"kvservice_{key}", key.replace("_", " ").capitalize(), value=s.queues.get(key, 0))
+        for key, help_text in _QUEUE_GAUGES:
+            yield GaugeMetricFamily(f"kvservice_{key}", help_text, value=s.queues.get(key, 0))
         yield GaugeMetricFamily("kvservice_sessions", "Open engine sessions", value=s.sessions)
 
         h = HistogramMetricFamily("kvservice_latency_seconds", "Store and Load latency in seconds", labels=["op"])
@@ -136,8 +171,11 @@ def _on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
 
 
 def make_registry(cache: BlockCache, loop: asyncio.AbstractEventLoop | None = None) -> CollectorRegistry:
+    """kvservice_* from the cache, plus process_* (CPU, RSS, fds, start time) and python_* (GC, version)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(CacheCollector(cache, loop))
+    for standard in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+        registry.register(standard)  # stateless readers of /proc and the interpreter: shareable
     return registry
 
 

@@ -1,9 +1,13 @@
 """Prometheus metrics of the reference engine, on a registry of its own (one per Engine, so several
-engines in one process, as in tests, do not collide). GET /metrics of http_api serves it."""
+engines in one process, as in tests, do not collide). GET /metrics of http_api serves it, with the
+standard process_* and python_* series, and without the `_created` series prometheus-client adds to
+every counter and histogram by default (a second series per counter that dashboards do not use)."""
 
 from __future__ import annotations
 
 import prometheus_client as prom
+
+prom.disable_created_metrics()  # process-wide, as prometheus-client offers it; the engine is its own process
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -11,6 +15,9 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 class EngineMetrics:
     def __init__(self, registry: prom.CollectorRegistry | None = None) -> None:
         r = self.registry = registry if registry is not None else prom.CollectorRegistry()
+        if registry is None:
+            for standard in (prom.PROCESS_COLLECTOR, prom.PLATFORM_COLLECTOR, prom.GC_COLLECTOR):
+                r.register(standard)
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> prom.Counter:
             return prom.Counter(f"model_runner_{name}", doc, labels, registry=r)

@@ -348,14 +348,14 @@ def test_prometheus_endpoint_reports_tiers_and_traffic():
         assert a.call("load", numbers=[9])["status"] == [MISSING]
 
         m = _metrics(address)
-        ns_label = frozenset({("namespace", ns)})
+        ns_label = frozenset({("namespace", ns), ("model", "m")})
         assert m[("kvservice_tier_capacity_bytes", frozenset({("tier", "host")}))] == HOST_CAPACITY
         assert m[("kvservice_tier_capacity_bytes", frozenset({("tier", "disk")}))] == DISK_CAPACITY
         assert m[("kvservice_tier_used_bytes", frozenset({("tier", "host")}))] == 4 * BLOCK
         assert m[("kvservice_stores_total", ns_label)] == 4
         assert m[("kvservice_loads_host_total", ns_label)] == 4
         assert m[("kvservice_load_misses_total", ns_label)] == 1
-        assert m[("kvservice_recovery_rate", frozenset())] == 1.0
+        assert m[("kvservice_recovery_ratio", frozenset())] == 1.0
         assert m[("kvservice_sessions", frozenset())] == 1
         assert m[("kvservice_latency_seconds_count", frozenset({("op", "store")}))] == 1
         assert m[("kvservice_latency_seconds_count", frozenset({("op", "load")}))] == 2

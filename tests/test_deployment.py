@@ -513,7 +513,8 @@ def test_compose_commands_run_natively_and_engines_share_prefixes(native_stack: 
     for address in sorted(metrics_targets()):  # each Prometheus target, at its native port
         name, port = address.split(":")
         text = scrape(f"http://127.0.0.1:{stack.ports[address]}/metrics")
-        assert ("kvservice_recovery_rate" if name == DAEMON else "model_runner_ttft_seconds_count") in text, name
+        assert ("kvservice_recovery_ratio" if name == DAEMON else "model_runner_ttft_seconds_count") in text, name
+        assert "process_resident_memory_bytes" in text and "_created" not in text, name
 
     for name in (*ENGINES, DAEMON):  # engines first, as `docker compose down` stops dependents first
         assert stack.stop(name) == 0, f"{name}:\n{stack.log(name)}"
