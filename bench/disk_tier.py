@@ -1,0 +1,347 @@
+#!/usr/bin/env python3
+"""Disk tier v2 (kvservice.disk.DiskStore) against the raw direct-I/O limit of the same disk, same run.
+
+    .venv/bin/python bench/disk_tier.py --dir /path/on/the/disk [--quick] [--out results.json]
+        [--raw-bytes 2GiB] [--total 2GiB] [--block-sizes 2MiB,64KiB] [--restart-blocks 1000000]
+
+Parts (each prints a table; --parts picks some):
+  raw      the limit: O_DIRECT parallel writes, then reads, of one preallocated file of --raw-bytes,
+           over threads {4, 8, 16, 32} x request sizes {1, 4, 8, 16, 32} MiB; each thread owns a
+           contiguous share, writes end with fdatasync. The limit is the best of the sweep, taken
+           before and after the store's runs (this virtual disk drifts within a minute).
+  store    per block size: --total bytes of random blocks in an aligned host arena are spilled
+           through DiskStore.write in batches (--batch-bytes each, --writers caller threads),
+           including the final fdatasync of every segment (sustained: nothing left in a cache);
+           the store is closed, the page cache dropped (drop_caches when permitted; O_DIRECT
+           reads bypass it anyway), reopened, and every block read back (--readers threads,
+           CRC32C verified by the store) into a second arena, then compared byte for byte.
+           Ratios: spill / raw write limit, cold read / raw read limit.
+  restart  --restart-blocks blocks of 4 KiB, each filled with its own index pattern, written and
+           closed; page cache dropped; the time to reopen (DiskStore(...) = metadata load and every
+           check) is the restart figure; then every block is read back and checked byte-exact.
+
+On a GPU host, the daemon-level figure (cold disk -> engine GPU through KVClient) comes from
+bench/gpu_bandwidth.py once the daemon runs on this store; this script gives the limit and the
+store's own figures for the same disk. Prints Markdown; --out writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kvservice.checksum import checksum  # noqa: E402
+from kvservice.disk import BlockWrite, DiskStore, aligned_buffer  # noqa: E402
+from kvservice.disk.segment import read_all, write_all  # noqa: E402
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+THREADS = (4, 8, 16, 32)
+REQUESTS = (1 * MiB, 4 * MiB, 8 * MiB, 16 * MiB, 32 * MiB)
+
+
+def parse_size(text: str) -> int:
+    units = {"k": KiB, "m": MiB, "g": GiB}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    return int(float(t[:-1]) * units[t[-1]]) if t[-1] in units else int(t)
+
+
+def fmt(n: int) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= size and n % size == 0:
+            return f"{n // size} {unit}"
+    return f"{n} B"
+
+
+def drop_caches() -> str:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "drop_caches"
+    except OSError:
+        return "not permitted (O_DIRECT reads bypass the page cache anyway)"
+
+
+# ----------------------------------------------------------------------------------------------
+# raw limit
+def raw_sweep(directory: Path, nbytes: int, threads_list=THREADS, requests=REQUESTS) -> dict:
+    path = directory / "raw-limit.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.posix_fallocate(fd, 0, nbytes)
+    os.close(fd)
+    try:
+        dfd = os.open(path, os.O_RDWR | os.O_DIRECT)
+        mode = "O_DIRECT"
+    except OSError:
+        dfd = os.open(path, os.O_RDWR)
+        mode = "buffered (the filesystem refuses O_DIRECT)"
+    rows = []
+    try:
+        for op in ("write", "read"):
+            for threads in threads_list:
+                for req in requests:
+                    if req * threads > nbytes:
+                        continue
+                    rows.append({"op": op, "threads": threads, "request": req,
+                                 "gbps": _raw_run(dfd, nbytes, threads, req, op)})
+    finally:
+        os.close(dfd)
+        path.unlink()
+    best = {op: max((r for r in rows if r["op"] == op), key=lambda r: r["gbps"]) for op in ("write", "read")}
+    return {"mode": mode, "bytes": nbytes, "rows": rows, "best": best}
+
+
+def _raw_run(fd: int, nbytes: int, threads: int, req: int, op: str) -> float:
+    share = nbytes // threads // req * req
+    bufs = [aligned_buffer(req) for _ in range(threads)]
+    for b in bufs:
+        b[:] = 0x5A
+
+    def work(t: int) -> None:
+        base = t * share
+        for off in range(0, share, req):
+            if op == "write":
+                write_all(fd, [bufs[t]], base + off, "raw")
+            else:
+                read_all(fd, [bufs[t]], base + off, "raw")
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(work, range(threads)))
+    if op == "write":
+        os.fdatasync(fd)
+    return share * threads / (time.perf_counter() - t0) / 1e9
+
+
+# ----------------------------------------------------------------------------------------------
+# the store
+def store_case(directory: Path, block: int, total: int, batch_bytes: int, writers: int, readers: int,
+               io_threads: int, segment_bytes: int) -> dict:
+    root = directory / f"store-{block}"
+    shutil.rmtree(root, ignore_errors=True)
+    n = total // block
+    capacity = int(total * 1.1) + 64 * MiB
+    arena = aligned_buffer(n * block)
+    rng = np.random.default_rng(block)
+    for s in range(0, n * block, 64 * MiB):
+        e = min(n * block, s + 64 * MiB)
+        arena[s:e] = rng.integers(0, 256, e - s, dtype=np.uint8)
+    bufs = [arena[i * block:(i + 1) * block] for i in range(n)]
+    crcs = [checksum(b) for b in bufs]
+    per_batch = max(1, batch_bytes // block)
+    batches = [(s, min(n, s + per_batch)) for s in range(0, n, per_batch)]
+
+    store = DiskStore(str(root), capacity, segment_bytes=segment_bytes, io_threads=io_threads)
+    locs = store.reserve([block] * n)
+    assert all(loc is not None for loc in locs), "capacity too small for the run"
+    writes = [BlockWrite("bench", i.to_bytes(32, "little"), crcs[i], stored_at=time.time()) for i in range(n)]
+    faults: list = []
+    lock = threading.Lock()
+
+    def spill(b: tuple[int, int]) -> None:
+        s, e = b
+        out = store.write(locs[s:e], writes[s:e], bufs[s:e])
+        with lock:
+            faults.extend(f for f in out if f is not None)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(writers) as pool:
+        list(pool.map(spill, batches))
+    for f in list(store._files.values()):  # sustained: the bytes are on the device, not in a cache
+        f.sync()
+    spill_s = time.perf_counter() - t0
+    assert not faults, faults[:3]
+    store.close()
+    cache = drop_caches()
+
+    t0 = time.perf_counter()
+    store = DiskStore(str(root), capacity, segment_bytes=segment_bytes, io_threads=io_threads)
+    open_s = time.perf_counter() - t0
+    assert len(store.recovered) == n
+    out = aligned_buffer(n * block)
+    outs = [out[i * block:(i + 1) * block] for i in range(n)]
+    bad: list = []
+
+    def load(b: tuple[int, int]) -> None:
+        s, e = b
+        res = store.read(locs[s:e], outs[s:e])
+        with lock:
+            bad.extend(f for f in res if f is not None)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(readers) as pool:
+        list(pool.map(load, batches))
+    read_s = time.perf_counter() - t0
+    exact = not bad and bool(np.array_equal(out, arena))
+    direct = all(f.dfd is not None for f in store._files.values())
+    store.close()
+    shutil.rmtree(root, ignore_errors=True)
+    return {"block": block, "blocks": n, "bytes": n * block, "spill_gbps": n * block / spill_s / 1e9,
+            "read_gbps": n * block / read_s / 1e9, "open_s": open_s, "byte_exact": exact,
+            "read_faults": len(bad), "cache": cache, "direct": direct}
+
+
+# ----------------------------------------------------------------------------------------------
+# restart
+def _pattern(i: int, block: int) -> np.ndarray:
+    words = block // 8
+    return np.arange(i * words, (i + 1) * words, dtype=np.uint64).view(np.uint8)
+
+
+def restart_case(directory: Path, blocks: int, block: int = 4 * KiB, batch: int = 4096) -> dict:
+    root = directory / "restart"
+    shutil.rmtree(root, ignore_errors=True)
+    capacity = blocks * (block + 512) + 256 * MiB
+    store = DiskStore(str(root), capacity)
+    t0 = time.perf_counter()
+    for s in range(0, blocks, batch):
+        e = min(blocks, s + batch)
+        data = aligned_buffer((e - s) * block)
+        data.view(np.uint64)[:] = np.arange(s * block // 8, e * block // 8, dtype=np.uint64)
+        bufs = [data[(i - s) * block:(i - s + 1) * block] for i in range(s, e)]
+        locs = store.reserve([block] * (e - s))
+        res = store.write(locs, [BlockWrite("restart", i.to_bytes(32, "little"), checksum(bufs[i - s]),
+                                            deadline=(time.time() + 86400 if i % 7 == 0 else 0.0), stored_at=1.7e9)
+                                 for i in range(s, e)], bufs)
+        assert all(r is None for r in res), res[:2]
+    fill_s = time.perf_counter() - t0
+    store.close()
+    files = sum(p.stat().st_size for p in root.iterdir())
+    cache = drop_caches()
+    t0 = time.perf_counter()
+    store = DiskStore(str(root), capacity)
+    open_s = time.perf_counter() - t0
+    rec = store.recovered
+    # every block byte-exact: read back in batches, compare with its index pattern
+    idx = np.frombuffer(rec.rows.rec["hash"].tobytes(), dtype=np.uint64).reshape(-1, 4)[:, 0]
+    order = np.argsort(idx)
+    wrong = 0
+    t0 = time.perf_counter()
+    for s in range(0, len(order), batch):
+        sel = order[s:s + batch]
+        out = aligned_buffer(len(sel) * block)
+        outs = [out[j * block:(j + 1) * block] for j in range(len(sel))]
+        res = store.read(rec.rows.loc[sel].tolist(), outs)
+        first = int(idx[sel[0]])
+        expect = np.arange(first * block // 8, (first + len(sel)) * block // 8, dtype=np.uint64)
+        contiguous = bool(np.all(idx[sel] == np.arange(first, first + len(sel))))
+        if not contiguous or any(r is not None for r in res) or not np.array_equal(out.view(np.uint64), expect):
+            wrong += sum(1 for j, r in enumerate(res) if r is not None
+                         or not np.array_equal(outs[j], _pattern(int(idx[sel[j]]), block)))
+    verify_s = time.perf_counter() - t0
+    store.close()
+    shutil.rmtree(root, ignore_errors=True)
+    return {"blocks": blocks, "block": block, "found": len(rec), "fill_s": fill_s, "open_s": open_s,
+            "verify_s": verify_s, "wrong_blocks": wrong, "files_bytes": files, "capacity": capacity,
+            "cache": cache}
+
+
+# ----------------------------------------------------------------------------------------------
+def machine(directory: Path) -> dict:
+    cpu = platform.processor() or ""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    fs = subprocess.run(["df", "-T", str(directory)], capture_output=True, text=True).stdout.splitlines()[-1:]
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu, "cores": os.cpu_count(),
+            "kernel": platform.release(), "filesystem": fs[0] if fs else "?",
+            "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                                     capture_output=True, text=True).stdout.strip()}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", required=True, help="a directory on the disk under test (a scratch subdirectory is used)")
+    p.add_argument("--parts", default="raw,store,restart")
+    p.add_argument("--quick", action="store_true", help="small sizes (CI smoke run)")
+    p.add_argument("--raw-bytes", default="2GiB")
+    p.add_argument("--total", default="2GiB", help="bytes spilled and read back per block size")
+    p.add_argument("--block-sizes", default="2MiB,64KiB")
+    p.add_argument("--batch-bytes", default="64MiB", help="bytes per DiskStore.write/read call")
+    p.add_argument("--writers", type=int, default=4, help="threads calling write (the daemon's writer pool)")
+    p.add_argument("--readers", type=int, default=4, help="threads calling read")
+    p.add_argument("--io-threads", type=int, default=16, help="DiskStore's own request threads")
+    p.add_argument("--segment-bytes", default="256MiB")
+    p.add_argument("--restart-blocks", type=int, default=1_000_000)
+    p.add_argument("--out", default="")
+    a = p.parse_args()
+    if a.quick:
+        a.raw_bytes, a.total, a.restart_blocks = "256MiB", "256MiB", 20_000
+    work = Path(a.dir) / f"kv-disk-bench-{os.getpid()}"
+    work.mkdir(parents=True)
+    parts = set(a.parts.split(","))
+    result: dict = {"machine": machine(work), "args": vars(a)}
+    print(f"# disk tier v2 bench, {result['machine']['date']}, {result['machine']['cpu']} "
+          f"({result['machine']['cores']} cores), {result['machine']['filesystem']}\n")
+    try:
+        raws = []
+        if "raw" in parts:
+            raws.append(raw_sweep(work, parse_size(a.raw_bytes)))
+        if "store" in parts:
+            result["store"] = [store_case(work, parse_size(b), parse_size(a.total), parse_size(a.batch_bytes),
+                                          a.writers, a.readers, a.io_threads, parse_size(a.segment_bytes))
+                               for b in a.block_sizes.split(",")]
+        if "raw" in parts:
+            raws.append(raw_sweep(work, parse_size(a.raw_bytes)))
+            result["raw"] = raws
+            lim = {op: max(r["best"][op]["gbps"] for r in raws) for op in ("write", "read")}
+            result["limit"] = lim
+            print(f"## raw limit ({raws[0]['mode']}, {fmt(raws[0]['bytes'])} file; best of the sweep, "
+                  "before and after the store runs)\n")
+            print("| op | threads | " + " | ".join(fmt(r) for r in REQUESTS) + " |")
+            print("| --- | --- |" + " --- |" * len(REQUESTS))
+            for op in ("write", "read"):
+                for t in THREADS:
+                    cells = []
+                    for req in REQUESTS:
+                        vals = [r["gbps"] for raw in raws for r in raw["rows"]
+                                if r["op"] == op and r["threads"] == t and r["request"] == req]
+                        cells.append(f"{max(vals):.2f}" if vals else "-")
+                    print(f"| {op} | {t} | " + " | ".join(cells) + " |")
+            print(f"\nlimit: write {lim['write']:.2f} GB/s, read {lim['read']:.2f} GB/s\n")
+        if "store" in parts:
+            lim = result.get("limit", {})
+            print("## DiskStore (sustained spill incl. fdatasync; cold read, CRC32C verified, bytes compared)\n")
+            print("| block | blocks | spill GB/s | x raw write | cold read GB/s | x raw read | reopen s | byte-exact | direct |")
+            print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+            for r in result["store"]:
+                wr = f"{r['spill_gbps'] / lim['write']:.2f}" if lim else "-"
+                rd = f"{r['read_gbps'] / lim['read']:.2f}" if lim else "-"
+                print(f"| {fmt(r['block'])} | {r['blocks']} | {r['spill_gbps']:.2f} | {wr} | {r['read_gbps']:.2f} | "
+                      f"{rd} | {r['open_s']:.3f} | {r['byte_exact']} | {r['direct']} |")
+            print(f"\npage cache before the reads: {result['store'][0]['cache']}\n")
+        if "restart" in parts:
+            r = result["restart"] = restart_case(work, a.restart_blocks)
+            print("## restart\n")
+            print("| blocks | block | fill s | reopen s | blocks found | verify s | wrong blocks | files / capacity |")
+            print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+            print(f"| {r['blocks']} | {fmt(r['block'])} | {r['fill_s']:.1f} | {r['open_s']:.2f} | {r['found']} | "
+                  f"{r['verify_s']:.1f} | {r['wrong_blocks']} | {r['files_bytes'] / r['capacity']:.3f} |")
+            print(f"\npage cache before reopen: {r['cache']}\n")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""Slot allocation over segment files: pure bookkeeping, no I/O.
+
+A location is one int, `loc = segment << 32 | slot` (`make_loc`, `split_loc`). Every segment
+holds slots of one size (its class: the block length rounded up to ALIGN bytes).
+
+Primitives:
+  allocate(slot_bytes, n) -> locs | None   n free slots of the class, lowest first (adjacent slots
+                                           coalesce into one request); may plan new segments
+                                           within the budget; None (nothing changed) if they
+                                           do not fit
+  release(locs)                            slots of writes that never committed: free at once
+  retire(locs) / settle(locs)              a committed block leaves: its slot is quarantined until
+                                           the metadata delete has committed, then free again
+  planned() / created(seg) / drop(seg)     segments chosen but not yet on disk; a segment file
+                                           that could not be made, or became unusable
+  reclaimable()                            empty segments whose files may be removed
+
+A slot is never handed out while its old metadata row may still be on disk (the quarantine),
+so a crash can never pair a surviving row with bytes a later block wrote into the same slot.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+ALIGN = 4096  # O_DIRECT granularity used for offsets, lengths and buffer addresses
+_SLOT_BITS = 32
+
+
+def make_loc(seg: int, slot: int) -> int:
+    return seg << _SLOT_BITS | slot
+
+
+def split_loc(loc: int) -> tuple[int, int]:
+    return loc >> _SLOT_BITS, loc & ((1 << _SLOT_BITS) - 1)
+
+
+def slot_class(length: int) -> int:
+    """The slot size a block of `length` bytes occupies."""
+    if length <= 0:
+        raise ValueError(f"block length must be positive, got {length}")
+    return -(-length // ALIGN) * ALIGN
+
+
+@dataclass(slots=True)
+class Segment:
+    id: int
+    slot_bytes: int
+    slots: int
+    used: int = 0
+    on_disk: bool = False  # False: planned, its file is made by the first write into it
+
+    @property
+    def nbytes(self) -> int:
+        return self.slot_bytes * self.slots
+
+
+@dataclass(slots=True)
+class _Class:
+    free: list[int] = field(default_factory=list)  # heap of locs
+
+
+class SlotAllocator:
+    """`budget(total_slots_after, segment_bytes_after) -> bool` says whether a new segment may be
+    planned (the store charges metadata per slot there); `segment_target` is the preferred file
+    size. Not thread-safe: the store calls it under its lock."""
+
+    def __init__(self, budget: Callable[[int, int], bool], segment_target: int) -> None:
+        self._budget = budget
+        self.segment_target = segment_target
+        self.segments: dict[int, Segment] = {}
+        self._classes: dict[int, _Class] = {}
+        self._quarantine: set[int] = set()
+        self._next_id = 1
+
+    # --- state
+    @property
+    def segment_bytes(self) -> int:
+        return sum(s.nbytes for s in self.segments.values())
+
+    @property
+    def total_slots(self) -> int:
+        return sum(s.slots for s in self.segments.values())
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(s.used * s.slot_bytes for s in self.segments.values())
+
+    def free_slots(self, slot_bytes: int) -> int:
+        c = self._classes.get(slot_bytes)
+        return len(c.free) if c else 0
+
+    def quarantined(self) -> int:
+        return len(self._quarantine)
+
+    def can_grow(self, slot_bytes: int) -> bool:
+        """Whether the budget admits at least one more slot of this class, reclaiming nothing."""
+        return self._budget(self.total_slots + 1, self.segment_bytes + slot_bytes)
+
+    # --- building from metadata at open
+    def add_segment(self, seg_id: int, slot_bytes: int, slots: int, used: Iterable[int] | np.ndarray) -> None:
+        """A segment that exists on disk; `used` are its occupied slots."""
+        seg = Segment(seg_id, slot_bytes, slots, on_disk=True)
+        taken = np.zeros(slots, dtype=bool)
+        taken[np.asarray(used, dtype=np.int64)] = True
+        seg.used = int(taken.sum())
+        self.segments[seg_id] = seg
+        c = self._classes.setdefault(slot_bytes, _Class())
+        c.free.extend((np.flatnonzero(~taken) + (seg_id << _SLOT_BITS)).tolist())
+        heapq.heapify(c.free)
+        self._next_id = max(self._next_id, seg_id + 1)
+
+    # --- allocation
+    def allocate(self, slot_bytes: int, n: int) -> list[int] | None:
+        if n <= 0:
+            return []
+        c = self._classes.setdefault(slot_bytes, _Class())
+        short = n - len(c.free)
+        if short > 0 and not self._plan(slot_bytes, short):
+            return None
+        locs = [heapq.heappop(c.free) for _ in range(n)]
+        for loc in locs:
+            self.segments[split_loc(loc)[0]].used += 1
+        return locs
+
+    def _plan(self, slot_bytes: int, need: int) -> bool:
+        """Plan new segments of this class for `need` slots; all or nothing."""
+        planned: list[Segment] = []
+        total, nbytes = self.total_slots, self.segment_bytes
+        per_file = max(1, self.segment_target // slot_bytes)
+        while need > 0:
+            slots = per_file
+            while slots > 0 and not self._budget(total + slots, nbytes + slots * slot_bytes):
+                slots //= 2  # the last file may be smaller than the target
+            if slots == 0:
+                if not self._reclaim_one(exclude=slot_bytes):
+                    for seg in planned:  # undo: nothing changed
+                        del self.segments[seg.id]
+                    return False
+                total, nbytes = self.total_slots, self.segment_bytes
+                continue
+            seg = Segment(self._next_id, slot_bytes, slots)
+            self._next_id += 1
+            self.segments[seg.id] = seg
+            planned.append(seg)
+            total, nbytes = total + slots, nbytes + seg.nbytes
+            need -= slots
+        c = self._classes[slot_bytes]
+        for seg in planned:
+            for s in range(seg.slots):
+                heapq.heappush(c.free, make_loc(seg.id, s))
+        return True
+
+    def _reclaim_one(self, exclude: int) -> bool:
+        """Forget one empty, still-planned segment of another class (its budget is reusable at
+        once). Empty segments already on disk are removed by the store (reclaimable())."""
+        for seg in self.segments.values():
+            if seg.slot_bytes != exclude and seg.used == 0 and not seg.on_disk:
+                self.drop(seg.id)
+                return True
+        return False
+
+    def release(self, locs: Iterable[int]) -> None:
+        """Slots whose writes never committed: no row can name them, free at once."""
+        for loc in locs:
+            seg = self.segments.get(split_loc(loc)[0])
+            if seg is None:
+                continue
+            seg.used -= 1
+            heapq.heappush(self._classes[seg.slot_bytes].free, loc)
+
+    def retire(self, locs: Iterable[int]) -> None:
+        """Committed blocks leaving: quarantined until their delete commits (settle)."""
+        self._quarantine.update(locs)
+
+    def settle(self, locs: Iterable[int]) -> None:
+        locs = [loc for loc in locs if loc in self._quarantine]
+        self._quarantine.difference_update(locs)
+        self.release(locs)
+
+    # --- segment files
+    def planned(self) -> list[Segment]:
+        return [s for s in self.segments.values() if not s.on_disk]
+
+    def created(self, seg_id: int) -> None:
+        self.segments[seg_id].on_disk = True
+
+    def drop(self, seg_id: int) -> Segment | None:
+        """Forget a segment and its free slots (file not made, removed, or unusable). The caller
+        must no longer hold any of its locs."""
+        seg = self.segments.pop(seg_id, None)
+        if seg is None:
+            return None
+        c = self._classes[seg.slot_bytes]
+        c.free = [loc for loc in c.free if split_loc(loc)[0] != seg_id]
+        heapq.heapify(c.free)
+        self._quarantine = {loc for loc in self._quarantine if split_loc(loc)[0] != seg_id}
+        return seg
+
+    def reclaimable(self, keep_class: int | None = None) -> list[Segment]:
+        """Empty segment files on disk (no used or quarantined slot), other than of keep_class."""
+        busy = {split_loc(loc)[0] for loc in self._quarantine}
+        return [s for s in self.segments.values()
+                if s.on_disk and s.used == 0 and s.id not in busy and s.slot_bytes != keep_class]
