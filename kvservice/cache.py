@@ -34,7 +34,8 @@ from kvservice.sessions_api import NamespaceSpec, OpenedSession, PoolSpec, Sessi
 from kvservice.stats import CounterSet, Counters, Histogram
 from kvservice.tiers import Tiers
 from kvservice.types import (
-    HASH_BYTES, BlockHash, BlockKey, CacheError, ErrorCode, LoadResult, LoadStatus, NamespaceId, PrefetchStatus,
+    HASH_BYTES, BlockHash, BlockKey, CacheError, ErrorCode, LoadResult, LoadStatus, NamespaceId, PrefetchResult,
+    PrefetchStatus,
     SessionId, StoreResult, StoreStatus, Tier,
 )
 
@@ -51,6 +52,7 @@ class BlockCache:
         self.namespaces = NamespaceRegistry(config.disk_path if config.has_disk else "")
         self._sessions = SessionTable(config.lease_seconds, config.max_sessions)
         self._leases: dict[BlockKey, tuple[Entry, bool]] = {}  # prefetch leases: entry, staged from disk
+        self._leased_bytes: dict[SessionId, int] = {}  # bytes of each session's running leases
         self._copy_pool = ThreadPoolExecutor(4, thread_name_prefix="kv-copy")
         self._store_latency = Histogram("store")
         self._load_latency = Histogram("load")
@@ -121,7 +123,7 @@ class BlockCache:
 
     def _close(self, s: Session) -> asyncio.Future:
         self._sessions.remove(s.id)
-        for key in s.leased:
+        for key in list(s.leased):
             held = self._leases.get(key)
             if held is not None and held[0].lease_owner == s.id:
                 self._end_lease(key, used=False)
@@ -149,8 +151,23 @@ class BlockCache:
         e, staged = self._leases.pop(key)
         if staged:
             self.stats.bump(e.namespace, "prefetch_used" if used else "prefetch_wasted")
+        owner = SessionId(e.lease_owner)
+        left = self._leased_bytes.get(owner, 0) - e.size
+        if left > 0:
+            self._leased_bytes[owner] = left
+        else:
+            self._leased_bytes.pop(owner, None)
+        s = self._open_session_or_none(owner)
+        if s is not None:
+            s.leased.discard(key)
         e.lease_until = 0.0
         e.lease_owner = ""
+
+    def _open_session_or_none(self, session_id: SessionId) -> Session | None:
+        try:
+            return self._sessions.get(session_id)
+        except CacheError:
+            return None
 
     # --- validation
     def _session(self, session_id: str, namespace_id: str) -> Session:
@@ -383,41 +400,65 @@ class BlockCache:
             ids.append(b)
         return srcs, ids, served
 
-    async def prefetch(self, session_id: SessionId, hashes: Sequence[bytes], namespace_id: str = "") -> list[PrefetchStatus]:
+    async def prefetch(self, session_id: SessionId, hashes: Sequence[bytes], namespace_id: str = "") -> list[PrefetchResult]:
+        """Stage disk blocks into the host tier under a lease. A session's leases hold at most
+        prefetch_share of the host tier (the rest is refused, with the reason); a block already
+        in host memory is leased once, never renewed by another prefetch while its lease runs."""
         s = self._session(session_id, namespace_id)
         self._check_hashes(hashes)
         t = self._t
         now = self.clock.now()
-        out: list[PrefetchStatus] = []
+        out: list[PrefetchResult] = []
         to_read: list[tuple[int, Entry]] = []
+        for key in [k for k in s.leased if k in self._leases and self._leases[k][0].lease_until <= now]:
+            self._end_lease(key, used=False)  # ran out, not reaped yet: no longer counts
+        budget = self._lease_cap() - self._leased_bytes.get(s.id, 0)
         for h in hashes:
             e = t.index.get(BlockKey(s.namespace, BlockHash(h)))
             if e is None or e.tier == Tier.NONE:
-                out.append(PrefetchStatus.NOT_FOUND)
+                out.append(PrefetchResult(PrefetchStatus.NOT_FOUND))
             elif e.memory_buf() is not None:
-                self._lease(s, e, now, staged=False)
-                out.append(PrefetchStatus.ALREADY_IN_HOST)
+                if e.lease_until <= now:  # a running lease (this session's or another's) is not renewed
+                    if e.size > budget:
+                        out.append(self._over_cap(s))
+                        continue
+                    budget -= self._lease(s, e, now, staged=False)
+                out.append(PrefetchResult(PrefetchStatus.ALREADY_IN_HOST))
+            elif e.size > budget:
+                out.append(self._over_cap(s))
             else:
+                budget -= e.size
                 e.pins += 1
                 to_read.append((len(out), e))
-                out.append(PrefetchStatus.STAGED)
+                out.append(PrefetchResult(PrefetchStatus.STAGED))
         try:
             bufs = s.memory.alloc_host(len(to_read))
             reads = await asyncio.gather(*(t.read_from_disk(e, out) for (_, e), out in zip(to_read, bufs)),
                                          return_exceptions=True)
             for (pos, e), r in zip(to_read, reads):
                 if isinstance(r, BaseException):
-                    out[pos] = PrefetchStatus.FAILED
+                    out[pos] = PrefetchResult(PrefetchStatus.FAILED, f"disk read failed, block discarded: {r}")
                     continue
                 if e.memory_buf() is None and not t.onboard(e, r) and not await t.onboard_evicting(e, r):
-                    out[pos] = PrefetchStatus.FAILED
+                    out[pos] = PrefetchResult(PrefetchStatus.FAILED,
+                                              "no room in the host tier: it is pinned by loads and prefetches")
                     continue
-                self._lease(s, e, now, staged=True)
+                if e.lease_until <= now:
+                    self._lease(s, e, now, staged=True)
                 self.stats.bump(s.namespace, "prefetch_staged")
         finally:
             for _, e in to_read:
                 e.pins -= 1
         return out
+
+    def _lease_cap(self) -> int:
+        return int(self.config.prefetch_share * self._t.host.capacity_bytes)
+
+    def _over_cap(self, s: Session) -> PrefetchResult:
+        return PrefetchResult(
+            PrefetchStatus.FAILED,
+            f"this session's prefetch leases hold {self._leased_bytes.get(s.id, 0)} bytes; its cap is "
+            f"{self._lease_cap()} (prefetch_share {self.config.prefetch_share:g} of the host tier)")
 
     def _later(self, coro) -> None:
         """Run off the request path (onboarding a disk hit after the Load reply)."""
@@ -425,13 +466,17 @@ class BlockCache:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _lease(self, s: Session, e: Entry, now: float, staged: bool) -> None:
-        if e.key in self._leases and self._leases[e.key][0] is e:
-            staged = staged or self._leases[e.key][1]
+    def _lease(self, s: Session, e: Entry, now: float, staged: bool) -> int:
+        """Pin e for one lease, owned by s; returns the bytes it adds to s's leases. Only for a
+        block whose lease is not running (an ended one not yet reaped is ended first)."""
+        if e.key in self._leases:
+            self._end_lease(e.key, used=False)
         e.lease_until = now + self.config.pin_lease_seconds
         e.lease_owner = s.id
         self._leases[e.key] = (e, staged)
+        self._leased_bytes[s.id] = self._leased_bytes.get(s.id, 0) + e.size
         s.leased.add(e.key)
+        return e.size
 
     async def retain(self, session_id: SessionId, hashes: Sequence[bytes], ttl_seconds: float,
                      namespace_id: str = "") -> list[float]:

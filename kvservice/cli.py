@@ -41,6 +41,7 @@ FLAGS: dict[str, tuple[str, str, str]] = {
     "disk_write_bytes_per_second": ("--disk-write-bytes-per-second", "SIZE", "cap disk writes, e.g. 200MiB; 0: no cap"),
     "lease_seconds": ("--lease-seconds", "DURATION", "reap a session after this long without a heartbeat"),
     "pin_lease_seconds": ("--pin-lease-seconds", "DURATION", "how long prefetched blocks stay pinned"),
+    "prefetch_share": ("--prefetch-share", "FRACTION", "most of the host tier one session's prefetch leases may pin"),
     "max_batch_blocks": ("--max-batch-blocks", "N", "blocks per data RPC"),
     "max_sessions": ("--max-sessions", "N", "open engine sessions"),
     "log_level": ("--log-level", "LEVEL", "debug | info | warning | error | critical"),

@@ -48,6 +48,7 @@ class Config:
     # --- sessions and limits
     lease_seconds: float = 5.0  # a session without a heartbeat for this long is reaped
     pin_lease_seconds: float = 10.0  # prefetched blocks stay pinned this long unless loaded
+    prefetch_share: float = 0.25  # most of the host tier one session's prefetch leases may pin
     max_batch_blocks: int = 8192  # blocks per data RPC
     max_sessions: int = 256
     log_level: str = "info"
@@ -344,6 +345,8 @@ def validate_config(cfg: Config) -> None:
         at_least(name, 1)
     for name in ("lease_seconds", "pin_lease_seconds", "max_ttl_seconds"):
         positive(name)
+    if not 0 < cfg.prefetch_share <= 1:
+        raise ConfigError(f"prefetch_share: must be a fraction in (0, 1], got {cfg.prefetch_share}")
 
     if not cfg.socket_path:
         raise ConfigError("socket_path: must be set (the Unix socket engines connect to)")

@@ -13,7 +13,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from kvservice.sessions_api import NamespaceSpec, OpenedSession, PoolRegion, PoolSpec, SessionInfo
 from kvservice.stats import Counters, Histogram
-from kvservice.types import HASH_BYTES, CacheError, ErrorCode, LoadResult, PrefetchStatus, StoreResult, Tier
+from kvservice.types import HASH_BYTES, CacheError, ErrorCode, LoadResult, PrefetchResult, StoreResult, Tier
 from kvservice.v1 import admin_pb2, kvcache_pb2
 
 SHM_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
@@ -156,8 +156,10 @@ def load_reply(results: Sequence[LoadResult]) -> kvcache_pb2.LoadReply:
     )
 
 
-def prefetch_reply(results: Sequence[PrefetchStatus]) -> kvcache_pb2.PrefetchReply:
-    return kvcache_pb2.PrefetchReply(results=[int(s) for s in results])
+def prefetch_reply(results: Sequence[PrefetchResult]) -> kvcache_pb2.PrefetchReply:
+    return kvcache_pb2.PrefetchReply(
+        results=[int(r.status) for r in results],
+        messages=[kvcache_pb2.BlockMessage(index=i, message=r.message) for i, r in enumerate(results) if r.message])
 
 
 _COUNTER_FIELDS = frozenset(admin_pb2.Counters.DESCRIPTOR.fields_by_name)

@@ -69,6 +69,12 @@ class StoreResult:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefetchResult:
+    status: PrefetchStatus
+    message: str = ""  # why, for FAILED
+
+
+@dataclass(frozen=True, slots=True)
 class LoadResult:
     status: LoadStatus
     tier: Tier = Tier.NONE

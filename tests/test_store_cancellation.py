@@ -264,7 +264,8 @@ def assert_nothing_left_and_others_store(d: Daemon, other: EngineProc, first: in
     assert all(r["exact"])
     host = host_row(d)
     assert host.used_bytes == host.blocks * 4096
-    wait_for(lambda: d.stats().write_queue_depth == 0, "the spills to finish", timeout=30)
+    s = d.settle(30)  # the spills finish
+    assert s.write_queue_depth == 0 and s.writes_in_progress == 0
     assert other.call("store", numbers=list(range(16, 32)))["status"] == [STORED] * 16
     host = host_row(d)
     assert host.used_bytes == host.blocks * 4096 and host.pinned_blocks == 0
@@ -285,7 +286,8 @@ def test_an_engine_killed_while_its_store_waits_for_the_disk_leaks_nothing():
             try:
                 assert a.call("store", numbers=list(range(16)), ttl=600)["status"] == [STORED] * 16
                 a.send("store", numbers=list(range(16, 32)))
-                wait_for(lambda: d.stats().write_queue_depth >= 2, "A's Store to wait for the write queue")
+                wait_for(lambda: (s := d.stats()).write_queue_depth + s.writes_in_progress >= 2,
+                         "A's Store to wait for the write queue")
                 a.kill9()
             finally:
                 a.close()

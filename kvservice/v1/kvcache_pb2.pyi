@@ -260,11 +260,21 @@ class PrefetchRequest(_message.Message):
     namespace_id: str
     def __init__(self, session_id: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., namespace_id: _Optional[str] = ...) -> None: ...
 
+class BlockMessage(_message.Message):
+    __slots__ = ("index", "message")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    message: str
+    def __init__(self, index: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
 class PrefetchReply(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "messages")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedScalarFieldContainer[PrefetchStatus]
-    def __init__(self, results: _Optional[_Iterable[_Union[PrefetchStatus, str]]] = ...) -> None: ...
+    messages: _containers.RepeatedCompositeFieldContainer[BlockMessage]
+    def __init__(self, results: _Optional[_Iterable[_Union[PrefetchStatus, str]]] = ..., messages: _Optional[_Iterable[_Union[BlockMessage, _Mapping]]] = ...) -> None: ...
 
 class RetainRequest(_message.Message):
     __slots__ = ("session_id", "hashes", "ttl_seconds", "namespace_id")
