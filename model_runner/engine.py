@@ -190,7 +190,11 @@ class Engine:
             while not self._stopping:
                 self._wake.clear()  # before the work: a wake-up during it makes the wait below return at once
                 if not self._iteration():
-                    self._wake.wait(_IDLE_WAIT_S)
+                    wait = _IDLE_WAIT_S
+                    deadline = self.sched.next_deadline()
+                    if deadline is not None:
+                        wait = min(wait, max(0.0, deadline - time.monotonic()))
+                    self._wake.wait(wait)
         except BaseException as exc:  # noqa: BLE001  # a broken loop must fail requests, not hang them
             log.exception("engine loop crashed")
             with self._lock:

@@ -3,8 +3,9 @@
 Everything here runs on the engine's loop thread and never waits on the daemon: Lookup, Load, Store
 and Prefetch go out as futures (KVClient.submit_*). The Lookup of a request is sent when it is
 enqueued, so its round trip overlaps the model step in progress and the queueing; admission reads
-the answer (and waits only when it has not landed yet, LOOKUP_PATIENCE_S at most). Per loop iteration
-the engine calls:
+the answer, and waits only while it has not landed and waiting still costs less than a fraction of
+the prefill a hit could save (lookup_deadline): a slow answer never costs a miss more than that.
+Per loop iteration the engine calls:
 
   enqueue(seq)    hash the prompt; send the Lookup of the blocks past the GPU tier's hit
   reclaim()       evicted blocks whose offload landed become free; finished stores drop their refs
@@ -48,6 +49,8 @@ log = logging.getLogger(__name__)
 TIER_NAMES = {kvcache_pb2.TIER_HOST: "host", kvcache_pb2.TIER_DISK: "disk"}
 LOAD_POLICIES = ("auto", "always", "never")
 LOOKUP_PATIENCE_S = 1.0  # a Lookup unanswered this long counts as a miss: the request recomputes
+LOOKUP_PATIENCE_SHARE = 0.25  # ... or unanswered for this share of the prefill it could save, if less,
+LOOKUP_PATIENCE_MIN_S = 0.05  # but never less than this: a busy daemon's normal answer is not a miss
 
 
 class Scheduler:
@@ -220,11 +223,27 @@ class Scheduler:
         # At least the last prompt token is computed: its logits give the first output token.
         return (seq.prompt_len - 1) // self.tpb
 
+    def lookup_deadline(self, seq: Seq) -> float:
+        """When admission stops waiting for seq's Lookup and counts it as a miss (monotonic seconds)."""
+        patience = LOOKUP_PATIENCE_S
+        tps = self.cost.tokens_per_s
+        if tps:
+            saved = (self._usable_blocks(seq) - seq.lookup_from) * self.tpb
+            patience = min(patience, max(LOOKUP_PATIENCE_MIN_S, LOOKUP_PATIENCE_SHARE * saved / tps))
+        return seq.t_submit + patience
+
+    def next_deadline(self) -> float | None:
+        """The earliest lookup_deadline of a waiting request whose Lookup is unanswered (the loop's wake-up)."""
+        if self.waiting and self.waiting[0].lookup is not None and not self.waiting[0].lookup.done():
+            return self.lookup_deadline(self.waiting[0])
+        return None
+
     def _admit(self, seq: Seq) -> bool:
         if seq.lookup is not None and not seq.lookup.done():
-            if time.monotonic() - seq.t_submit < LOOKUP_PATIENCE_S:
-                return False  # its done-callback wakes the loop
+            if time.monotonic() < self.lookup_deadline(seq):
+                return False  # its done-callback (or the deadline) wakes the loop
             seq.lookup.cancel()
+            self.metrics.decisions.labels("lookup-timeout").inc()
         hashes = seq.prompt_hashes[: self._usable_blocks(seq)]
         hits = self.radix.match(hashes)
         self.radix.acquire(hits)  # before allocating: eviction must not take our own hit

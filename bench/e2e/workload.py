@@ -1,0 +1,77 @@
+"""The multi-round QA workload, in the shape of LMBenchmark's synthetic multi-round QA
+(long_input_short_output): U users, R rounds each. A user's first prompt is the shared system
+prompt + the user's own long history + a question; every later prompt is the previous prompt +
+the answer + a new question, so the histories only grow. Answers are short. Arrivals are at a
+fixed rate: user u's round r is due at (r * U + u) / rate and waits for the user's previous answer.
+
+Token ids are random per configuration tag (same lengths and times in every configuration, no
+block of one configuration can hit in another).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass
+
+TPB = 16  # tokens per KV block, every engine
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    users: int
+    rounds: int
+    sys_len: int  # shared system prompt
+    hist_len: int  # each user's own history before round 0
+    q_len: int  # question per round
+    answer: int  # max_tokens per answer (the client sends ignore_eos, so every answer has this length)
+
+    def prompt_len(self, r: int) -> int:
+        return self.sys_len + self.hist_len + r * (self.q_len + self.answer) + self.q_len
+
+    def user_tokens(self) -> int:
+        """One user's tokens at the end (history, every question and answer)."""
+        return self.hist_len + self.rounds * (self.q_len + self.answer)
+
+    def working_set_tokens(self) -> int:
+        return self.sys_len + self.users * self.user_tokens()
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def default_shape(model: str) -> Shape:
+    """8b: 8 users x 4 rounds, a 1000-token system prompt, 15000-token histories, 100-token questions,
+    16-token answers: prompts of 16.1k to 16.5k tokens. LMBenchmark's own defaults are 15 users x 20 rounds
+    of 1000 + 20000 tokens; fewer users and rounds keep one H200 run of every configuration in minutes,
+    the lengths are the seed's."""
+    if model == "tiny":
+        return Shape(users=4, rounds=3, sys_len=64, hist_len=320, q_len=24, answer=4)
+    if model == "1b":
+        return Shape(users=8, rounds=4, sys_len=1000, hist_len=15000, q_len=100, answer=16)
+    return Shape(users=8, rounds=4, sys_len=1000, hist_len=15000, q_len=100, answer=16)
+
+
+def rand_tokens(seed: object, n: int, vocab: int) -> list[int]:
+    rng = random.Random(str(seed))
+    return [rng.randrange(1, min(vocab, 256)) for _ in range(n)]
+
+
+@dataclass(slots=True)
+class Conversations:
+    """The token ids of one configuration's run."""
+
+    system: list[int]
+    history: list[list[int]]  # per user
+    questions: list[list[list[int]]]  # [user][round]
+
+    @classmethod
+    def make(cls, tag: str, shape: Shape, vocab: int) -> Conversations:
+        return cls(rand_tokens(f"{tag}-sys", shape.sys_len, vocab),
+                   [rand_tokens(f"{tag}-hist-{u}", shape.hist_len, vocab) for u in range(shape.users)],
+                   [[rand_tokens(f"{tag}-q-{u}-{r}", shape.q_len, vocab) for r in range(shape.rounds)]
+                    for u in range(shape.users)])
+
+
+def due(u: int, r: int, users: int, rate: float) -> float:
+    """Seconds after the start at which user u's round r is due."""
+    return (r * users + u) / rate
