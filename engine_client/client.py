@@ -1,7 +1,8 @@
 """AsyncKVClient: an engine's session with the node-local kvservice daemon, over grpc.aio.
 
 Primitives (batched; each answers per block, in the order asked):
-  connect(required)                 open a session: namespace, pool description, hash canary
+  connect(required)                 open a session on the registration socket: namespace, pool
+                                    (its memory as a file descriptor), hash canary
   lookup(hashes)                    -> (prefix_blocks, tier of each of those blocks)
   store(hashes, block_ids, ttl)     -> StoreResult per block; returns once bytes left the pool
   load(hashes, block_ids)           -> LoadResult per block; returns once bytes are in the pool
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
@@ -34,6 +37,7 @@ from engine_client.backoff import Backoff
 from engine_client.errors import DETACHING_CODES, KVClientError, from_rpc_error
 from engine_client.hashing import HASH_BYTES, BlockHasher
 from engine_client.namespace import Namespace
+from engine_client.registration import register, unix_socket_path
 from kvservice.v1 import kvcache_pb2, kvcache_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -55,14 +59,18 @@ T = TypeVar("T")
 
 
 class PoolDescriber(Protocol):
-    """Anything that can describe an engine KV pool for OpenSession (ShmKVPool, a CUDA pool)."""
+    """An engine KV pool that can be registered (ShmKVPool, CudaKVPool): its description, and the
+    descriptors that carry its memory to the daemon (new ones on each call; the client closes them)."""
 
     def description(self) -> kvcache_pb2.PoolDescription: ...
+
+    def registration_fds(self) -> list[int]: ...
 
 
 @dataclass(frozen=True, slots=True)
 class _Session:
-    session_id: str
+    session_id: str  # a secret the daemon told this process only: never logged
+    label: str  # the daemon's non-secret name for it (its log, ListSessions)
     namespace_id: str
     lease_seconds: float
     max_batch_blocks: int  # 0: no limit
@@ -88,7 +96,8 @@ class AsyncKVClient:
         heartbeat_timeout: float = 2.0,
         open_timeout: float = 10.0,
     ) -> None:
-        """`target`: "unix:///path/to.sock", a bare absolute socket path, or "host:port".
+        """`target`: the daemon's socket_path, as "unix:///path/to.sock" or a bare absolute path (the data
+        plane is served on Unix sockets only; the pool registers on "<path>.reg").
 
         heartbeat_interval defaults to a third of the lease the daemon grants. `timeout` bounds
         each data RPC, `heartbeat_timeout` each Heartbeat/CloseSession, `open_timeout` OpenSession.
@@ -108,6 +117,8 @@ class AsyncKVClient:
         self._stub: kvcache_pb2_grpc.KVCacheStub | None = None
         self._session: _Session | None = None
         self._stale_session_id = ""  # detached from, maybe still open on a slow daemon: closed best-effort
+        self._lease: socket.socket | None = None  # the registration connection: closing it ends the session
+        self._data_target = ""  # where the channel points: the data socket the daemon named
         self._wake: asyncio.Event | None = None
         self._supervisor: asyncio.Task[None] | None = None
         self._fatal: KVClientError | None = None
@@ -129,6 +140,11 @@ class AsyncKVClient:
     def session_id(self) -> str:
         """The current session id; "" while detached."""
         return self._session.session_id if self._session else ""
+
+    @property
+    def session_label(self) -> str:
+        """The daemon's non-secret name of the current session (ListSessions, its log); "" while detached."""
+        return self._session.label if self._session else ""
 
     @property
     def namespace_id(self) -> str:
@@ -166,8 +182,8 @@ class AsyncKVClient:
         self._wake = asyncio.Event()
         self._channel = grpc.aio.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
         self._stub = kvcache_pb2_grpc.KVCacheStub(self._channel)
+        self._data_target = self.target
         try:
-            await self._wait_ready()
             await self._open_session()
         except KVClientError as err:
             if err.code not in DETACHING_CODES or required:
@@ -190,6 +206,7 @@ class AsyncKVClient:
         session, self._session = self._session, None
         if session is not None:
             await self._close_session_quietly(session.session_id)
+        self._drop_lease()
         await self._drop_channel()
 
     async def __aenter__(self) -> AsyncKVClient:
@@ -352,24 +369,51 @@ class AsyncKVClient:
             state = channel.get_state(try_to_connect=True)
 
     async def _open_session(self) -> None:
+        """Register the pool on the daemon's registration socket (its memory goes as a descriptor),
+        then make sure the channel points at the data socket the daemon named for this uid."""
         assert self._stub is not None
+        socket_path = unix_socket_path(self.target)
+        if socket_path is None:
+            raise KVClientError(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{self.target} is not a Unix socket: the data plane is served on the daemon's Unix "
+                                "socket only (TCP serves operators)")
         request = kvcache_pb2.OpenSessionRequest(
             namespace=self.namespace.to_proto(), pool=self._pool_desc,
             hash_canary=self._canary, client_name=self.client_name)
+        fds = self._pool.registration_fds()
         try:
-            # wait_for_ready: a channel still reconnecting (a daemon restarting) is waited for,
-            # up to open_timeout, instead of failing the call at once with UNAVAILABLE.
-            reply = await self._stub.OpenSession(request, timeout=self._open_timeout, wait_for_ready=True)
-        except grpc.aio.AioRpcError as err:
-            raise from_rpc_error(err) from None
+            lease, reply = await asyncio.to_thread(register, socket_path, request, fds, self._open_timeout)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        self._drop_lease()  # an older registration's session (if the daemon still has it) ends with it
+        self._lease = lease
+        try:
+            data_target = f"unix://{reply.data_socket}" if reply.data_socket else self.target
+            if data_target != self._data_target:
+                old, self._channel = self._channel, grpc.aio.insecure_channel(data_target, options=_CHANNEL_OPTIONS)
+                self._stub = kvcache_pb2_grpc.KVCacheStub(self._channel)
+                self._data_target = data_target
+                if old is not None:
+                    await old.close()
+            await self._wait_ready()
+        except BaseException:
+            self._drop_lease()
+            raise
         self._session = _Session(
             session_id=reply.session_id,
+            label=reply.label,
             namespace_id=reply.namespace_id,
             lease_seconds=reply.lease_seconds,
             max_batch_blocks=reply.max_batch_blocks,
             block_bytes=reply.block_bytes,
         )
-        log.info("kvservice session %s open at %s (namespace %s)", reply.session_id, self.target, reply.namespace_id)
+        log.info("kvservice session %s open at %s (namespace %s)", reply.label, data_target, reply.namespace_id)
+
+    def _drop_lease(self) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.close()
 
     def _is_current(self, session: _Session) -> bool:
         # By id, not identity: a heartbeat replaces the session object when the lease changes.
@@ -382,7 +426,7 @@ class AsyncKVClient:
         if err.code() != grpc.StatusCode.NOT_FOUND:
             self._stale_session_id = session.session_id
         log.warning("kvservice session %s detached (%s: %s %s); re-attaching in the background",
-                    session.session_id, rpc, err.code().name, err.details())
+                    session.label, rpc, err.code().name, err.details())
         assert self._wake is not None
         self._wake.set()
 
@@ -454,7 +498,7 @@ class AsyncKVClient:
             await self._stub.CloseSession(
                 kvcache_pb2.CloseSessionRequest(session_id=session_id), timeout=self._heartbeat_timeout)
         except grpc.aio.AioRpcError as err:
-            log.debug("CloseSession(%s) failed: %s", session_id, err.code().name)
+            log.debug("CloseSession failed: %s", err.code().name)
 
     async def _drop_channel(self) -> None:
         channel, self._channel, self._stub = self._channel, None, None

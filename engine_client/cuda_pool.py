@@ -160,7 +160,7 @@ class CudaKVPool:
         return self.buffer.as_strided((self.num_blocks, reg.block_bytes), (reg.block_stride, 1), reg.offset)
 
     def description(self) -> kvcache_pb2.PoolDescription:
-        """What OpenSession registers: blocks, regions, the IPC handles and the device's identity."""
+        """What registration sends: blocks, regions, the IPC handles and the device's identity."""
         return kvcache_pb2.PoolDescription(
             num_blocks=self.num_blocks,
             regions=[kvcache_pb2.PoolRegion(offset=r.offset, block_stride=r.block_stride, block_bytes=r.block_bytes)
@@ -169,6 +169,11 @@ class CudaKVPool:
                                            device_uuid=self.device_uuid, size=self.size,
                                            event_handle=self._event_handle),
         )
+
+    def registration_fds(self) -> list[int]:
+        """No descriptors: the IPC handle in description() is the capability (registered on the same
+        socket, so the session is bound to this process's uid as a shared-memory one is)."""
+        return []
 
     def record_ready(self, stream: torch.cuda.Stream | None = None) -> None:
         """Record the store event on `stream` (default: the current stream): call after the kernels

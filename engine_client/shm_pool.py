@@ -1,7 +1,10 @@
 """ShmKVPool: an engine's paged KV pool in POSIX shared memory (the CPU-host registration path).
 
-The daemon maps the segment by name (`description()` is what OpenSession sends) and moves
-block bytes in and out of it directly. Two byte layouts:
+The daemon maps the segment from its file descriptor, which the engine passes over the
+registration socket (`description()` is the OpenSessionRequest's pool, `registration_fds()`
+the descriptor sent with it); it never opens the segment by name, so a session can touch only
+memory its own process handed over. The daemon then moves block bytes in and out of it
+directly. Two byte layouts:
 
   block-contiguous  one region; block b is one row of block_bytes at b * block_bytes.
   layer-first       2 * num_layers regions (layer 0 K, layer 0 V, layer 1 K, ...), each of
@@ -112,13 +115,24 @@ class ShmKVPool:
         return self._buffer
 
     def description(self) -> kvcache_pb2.PoolDescription:
-        """What OpenSession registers: block count, regions, and the segment's name and size."""
+        """What registration sends: block count, regions, the segment's size (the memory itself
+        travels as the descriptor of registration_fds(), never as a name)."""
         return kvcache_pb2.PoolDescription(
             num_blocks=self.num_blocks,
             regions=[kvcache_pb2.PoolRegion(offset=r.offset, block_stride=r.block_stride, block_bytes=r.block_bytes)
                      for r in self.regions],
-            shm=kvcache_pb2.ShmHandle(name=self.name, size=self.size),
+            shm=kvcache_pb2.ShmHandle(size=self.size),
         )
+
+    def registration_fds(self) -> list[int]:
+        """A new read-write descriptor of the segment, for the registration to pass (SCM_RIGHTS);
+        the caller closes it once sent."""
+        if self._view is None:
+            raise ValueError("ShmKVPool is closed")
+        fd = getattr(self._shm, "_fd", -1)  # SharedMemory keeps the segment's descriptor open while mapped
+        if fd >= 0:
+            return [os.dup(fd)]
+        return [os.open(f"/dev/shm/{self.name}", os.O_RDWR | os.O_NOFOLLOW)]
 
     # --- blocks
     def read_block(self, block_id: int) -> bytes:

@@ -55,6 +55,10 @@ class KVClient:
         return self._client.session_id
 
     @property
+    def session_label(self) -> str:
+        return self._client.session_label
+
+    @property
     def namespace_id(self) -> str:
         return self._client.namespace_id
 

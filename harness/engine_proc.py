@@ -74,7 +74,8 @@ def main() -> None:
     client = KVClient(a.target, ns, pool, client_name=name, timeout=60.0 if cuda else 10.0)
     try:
         client.connect(required=True)
-        reply({"ready": True, "pid": os.getpid(), "session": client.session_id, "namespace": client.namespace_id,
+        reply({"ready": True, "pid": os.getpid(), "session": client.session_id, "label": client.session_label,
+               "namespace": client.namespace_id,
                "runtime": getattr(pool, "runtime", "shm")})
     except KVClientError as e:
         reply({"ready": False, "code": e.code.name, "message": e.message})
@@ -121,7 +122,8 @@ def main() -> None:
             elif op == "retain":
                 reply({"deadline": list(client.retain([h(i) for i in nums], cmd["ttl"]))})
             elif op == "state":
-                reply({"attached": client.attached, "session": client.session_id, "reattachments": client.reattachments})
+                reply({"attached": client.attached, "session": client.session_id, "label": client.session_label,
+                       "reattachments": client.reattachments})
             elif op == "read":  # what the pool holds now, e.g. a load target after a failed load
                 reply({"sha256": [hashlib.sha256(pool.read_block(b)).hexdigest() for b in cmd["blocks"]]})
             elif op == "exit":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,8 +30,9 @@ from kvservice.index import DiskState, Entry
 from kvservice.io_backend import BlockIO, BlockIOError, open_backend
 from kvservice.io_throttle import throttled
 from kvservice.namespaces import NamespaceRegistry
+from kvservice.quoting import quoted
 from kvservice.sessions import Session, SessionTable
-from kvservice.sessions_api import NamespaceSpec, OpenedSession, PoolSpec, SessionInfo
+from kvservice.sessions_api import NamespaceSpec, OpenedSession, Peer, PoolSpec, SessionInfo
 from kvservice.stats import CounterSet, Counters, Histogram
 from kvservice.tiers import Tiers
 from kvservice.types import (
@@ -50,7 +52,7 @@ class BlockCache:
         self._io = io
         self.tiers: Tiers | None = None
         self.namespaces = NamespaceRegistry(config.disk_path if config.has_disk else "")
-        self._sessions = SessionTable(config.lease_seconds, config.max_sessions)
+        self._sessions = SessionTable(config.lease_seconds, config.max_sessions, config.max_sessions_per_uid)
         self._leases: dict[BlockKey, tuple[Entry, bool]] = {}  # prefetch leases: entry, staged from disk
         self._leased_bytes: dict[SessionId, int] = {}  # bytes of each session's running leases
         self._copy_pool = ThreadPoolExecutor(4, thread_name_prefix="kv-copy")
@@ -97,21 +99,43 @@ class BlockCache:
         return self._io.name if self._io is not None else "none"
 
     # --- sessions
-    def open_session(self, ns: NamespaceSpec, pool: PoolSpec, canary: bytes, client_name: str) -> OpenedSession:
-        if self._stopping:
-            raise CacheError(ErrorCode.UNAVAILABLE, "daemon is shutting down")
-        self._sessions.check_room()
-        # map the pool first: a request refused for a bad pool must not fix the namespace's canary
+    def open_session(self, ns: NamespaceSpec, pool: PoolSpec, canary: bytes, client_name: str,
+                     peer: Peer | None = None) -> OpenedSession:
+        """Map the pool the peer handed over and open a session bound to that peer. A descriptor in
+        `pool` (shm_fd) is consumed, also when the session is refused. `peer` defaults to this
+        process (in-process callers); the registration socket passes the kernel's SO_PEERCRED."""
+        peer = peer or Peer.this_process()
+        try:
+            if self._stopping:
+                raise CacheError(ErrorCode.UNAVAILABLE, "daemon is shutting down")
+            self._sessions.check_room(peer.uid)
+        except BaseException:
+            if pool.shm_fd >= 0:
+                os.close(pool.shm_fd)
+            raise
         memory = open_engine_memory(pool)
         try:
             rec = self.namespaces.admit(ns, pool, canary)
         except BaseException:
             memory.close()
             raise
-        s = self._sessions.open(rec.id, pool, memory, client_name[:200], self.clock.now())
-        log.info("session %s opened: namespace %s (%s), %d blocks of %d bytes, client %r",
-                 s.id[:8], rec.id, ns.model_id, pool.num_blocks, pool.block_bytes, client_name)
-        return OpenedSession(s.id, rec.id, self.config.lease_seconds, self.config.max_batch_blocks, pool.block_bytes)
+        s = self._sessions.open(rec.id, pool, memory, client_name[:200], peer, canary, self.clock.now())
+        log.info("session %s opened: uid %d pid %d, namespace %s (model %s), %d blocks of %d bytes, client %s",
+                 s.label, peer.uid, peer.pid, rec.id, quoted(ns.model_id), pool.num_blocks, pool.block_bytes,
+                 quoted(client_name))
+        return OpenedSession(s.id, rec.id, self.config.lease_seconds, self.config.max_batch_blocks, pool.block_bytes,
+                             s.label)
+
+    def session_peer(self, session_id: str) -> Peer | None:
+        """Who opened this session (None: no such session); the listeners refuse calls from other peers."""
+        s = self._sessions.find(session_id)
+        return s.peer if s is not None else None
+
+    def reset_canary(self, namespace: NamespaceId) -> bool:
+        """Admin: forget a namespace's hash canary; the next session that stores fixes it again."""
+        was = self.namespaces.reset_canary(namespace)
+        log.warning("hash canary of namespace %s reset by the operator (was %s)", namespace, "set" if was else "unset")
+        return was
 
     def heartbeat(self, session_id: SessionId) -> float:
         self._sessions.heartbeat(session_id, self.clock.now())
@@ -127,7 +151,7 @@ class BlockCache:
             held = self._leases.get(key)
             if held is not None and held[0].lease_owner == s.id:
                 self._end_lease(key, used=False)
-        log.info("session %s closed", s.id[:8])
+        log.info("session %s closed", s.label)
         # unmapping waits for copies in flight: do it off the event loop (not on the copy pool,
         # whose threads may be the very copies it waits for)
         done = asyncio.ensure_future(asyncio.to_thread(s.memory.close))
@@ -140,7 +164,8 @@ class BlockCache:
         now = self.clock.now()
         dead = self._sessions.expired(now)
         for s in dead:
-            log.warning("session %s (%s) missed its lease; releasing it", s.id[:8], s.client_name)
+            log.warning("session %s (uid %d pid %d, client %s) missed its lease; releasing it", s.label, s.peer.uid,
+                        s.peer.pid, quoted(s.client_name))
             self._close(s)
         for key, (e, _) in list(self._leases.items()):
             if e.lease_until <= now:
@@ -174,7 +199,7 @@ class BlockCache:
         s = self._sessions.get(session_id)
         if namespace_id and namespace_id != s.namespace:
             raise CacheError(ErrorCode.PERMISSION_DENIED,
-                             f"session {session_id[:8]} opened namespace {s.namespace}, not {namespace_id}")
+                             f"session {s.label} opened namespace {s.namespace}, not {quoted(namespace_id)}")
         return s
 
     def _check_hashes(self, hashes: Sequence[bytes]) -> None:
@@ -214,6 +239,7 @@ class BlockCache:
         t0 = time.perf_counter()
         s = self._session(session_id, namespace_id)
         self._check_refs(s, refs)
+        self.namespaces.check_canary(s.namespace, s.canary)  # another session may have fixed it since
         t = self._t
         ttl = t.retention.clamp_ttl(ttl_seconds)
         now = self.clock.now()
@@ -245,6 +271,8 @@ class BlockCache:
             for _, e, _ in new:
                 if not e.ready:
                     t.index.remove(e)
+        if any(e.ready for _, e, _ in new) and self.namespaces.fix_canary(s.namespace, s.canary):
+            log.info("namespace %s: hash canary fixed by session %s, its first store", s.namespace, s.label)
         self._store_latency.observe(time.perf_counter() - t0)
         return [r if r is not None else StoreResult(StoreStatus.FAILED, message="internal error") for r in results]
 
@@ -537,8 +565,9 @@ class BlockCache:
 
     def sessions(self) -> list[SessionInfo]:
         now = self.clock.now()
-        return [SessionInfo(s.id, s.namespace, s.client_name, s.pool.kind, s.pool.num_blocks, s.opened_at,
-                            max(0.0, s.lease_until - now), len(s.leased)) for s in self._sessions.all()]
+        return [SessionInfo(s.label, s.namespace, s.client_name, s.pool.kind, s.pool.num_blocks, s.opened_at,
+                            max(0.0, s.lease_until - now), len(s.leased), s.peer.uid, s.peer.pid)
+                for s in self._sessions.all()]
 
     def namespace_stats(self) -> list[dict]:
         t = self._t

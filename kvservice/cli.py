@@ -22,9 +22,12 @@ from kvservice.config import (
 FLAGS: dict[str, tuple[str, str, str]] = {
     "socket_path": ("--socket-path", "PATH", "Unix socket engines connect to (created mode 0600)"),
     "tcp_address": ("--tcp", "HOST:PORT", "also listen on TCP (loopback unless --allow-remote-tcp)"),
+    "allowed_uids": ("--allowed-uids", "UIDS", "other uids that may open sessions, e.g. 1000,1001 (each gets a data socket)"),
     "allow_remote_tcp": ("--allow-remote-tcp", "", "allow --tcp on a non-loopback address"),
-    "metrics_address": ("--metrics", "HOST:PORT", "serve Prometheus /metrics here"),
-    "admin_token": ("--admin-token", "TOKEN", "require this token for Admin.Evict (prefer KVSERVICE_ADMIN_TOKEN)"),
+    "tcp_admin_mutations": ("--tcp-admin-mutations", "", "serve Evict/ResetCanary over TCP too (needs --admin-token)"),
+    "metrics_address": ("--metrics", "HOST:PORT", "serve Prometheus /metrics here (loopback unless allowed)"),
+    "allow_remote_metrics": ("--allow-remote-metrics", "", "allow --metrics on a non-loopback address"),
+    "admin_token": ("--admin-token", "TOKEN", "require this token for Evict/ResetCanary (prefer KVSERVICE_ADMIN_TOKEN)"),
     "host_capacity_bytes": ("--host-capacity", "SIZE", "host tier size, e.g. 4GiB, 8Gi, 16G (G = 10^9, Gi = 2^30)"),
     "disk_path": ("--disk-path", "DIR", "disk tier directory; empty: no disk tier"),
     "disk_capacity_bytes": ("--disk-capacity", "SIZE", "disk tier size, e.g. 100GiB"),
@@ -37,6 +40,7 @@ FLAGS: dict[str, tuple[str, str, str]] = {
     "writer_threads": ("--writer-threads", "N", "disk writer threads"),
     "reader_threads": ("--reader-threads", "N", "disk reader threads"),
     "io_backend": ("--io-backend", "BACKEND", "auto | posix | kvikio"),
+    "disk_format": ("--disk-format", "FORMAT", "files (one file per block) | segments (segment files + SQLite metadata)"),
     "disk_read_bytes_per_second": ("--disk-read-bytes-per-second", "SIZE", "cap disk reads, e.g. 200MiB; 0: no cap"),
     "disk_write_bytes_per_second": ("--disk-write-bytes-per-second", "SIZE", "cap disk writes, e.g. 200MiB; 0: no cap"),
     "lease_seconds": ("--lease-seconds", "DURATION", "reap a session after this long without a heartbeat"),
@@ -44,6 +48,7 @@ FLAGS: dict[str, tuple[str, str, str]] = {
     "prefetch_share": ("--prefetch-share", "FRACTION", "most of the host tier one session's prefetch leases may pin"),
     "max_batch_blocks": ("--max-batch-blocks", "N", "blocks per data RPC"),
     "max_sessions": ("--max-sessions", "N", "open engine sessions"),
+    "max_sessions_per_uid": ("--max-sessions-per-uid", "N", "open engine sessions of one uid"),
     "log_level": ("--log-level", "LEVEL", "debug | info | warning | error | critical"),
 }
 assert set(FLAGS) == set(Config.__dataclass_fields__), "every Config field needs a flag"

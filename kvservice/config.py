@@ -25,10 +25,13 @@ MiB = 1 << 20
 class Config:
     # --- listeners
     socket_path: str = "/run/kvservice/kvservice.sock"  # Unix socket, created mode 0600
-    tcp_address: str = ""  # e.g. "127.0.0.1:50051"; empty: no TCP listener
+    allowed_uids: str = ""  # other uids that may open sessions, e.g. "1000,1001"; each gets its own data socket
+    tcp_address: str = ""  # e.g. "127.0.0.1:50051"; empty: no TCP listener (health, reflection, read-only Admin)
     allow_remote_tcp: bool = False  # TCP on a non-loopback address needs this set
+    tcp_admin_mutations: bool = False  # serve Evict/ResetCanary over TCP too (needs admin_token)
     metrics_address: str = ""  # Prometheus endpoint, e.g. "127.0.0.1:9400"; empty: off
-    admin_token: str = ""  # when set, Admin.Evict requires it
+    allow_remote_metrics: bool = False  # metrics on a non-loopback address needs this set
+    admin_token: str = ""  # when set, Admin.Evict and Admin.ResetCanary require it
     # --- host tier
     host_capacity_bytes: int = 4 * GiB
     # --- disk tier (disk_path empty: no disk tier)
@@ -43,6 +46,7 @@ class Config:
     writer_threads: int = 4
     reader_threads: int = 4
     io_backend: str = "auto"  # "auto" | "posix" | "kvikio"
+    disk_format: str = "files"  # "files": one file per block | "segments": disk tier v2 (kvservice/disk)
     disk_read_bytes_per_second: int = 0  # cap on disk tier reads (shared disk); 0: unlimited
     disk_write_bytes_per_second: int = 0  # cap on spills and header rewrites; 0: unlimited
     # --- sessions and limits
@@ -51,6 +55,7 @@ class Config:
     prefetch_share: float = 0.25  # most of the host tier one session's prefetch leases may pin
     max_batch_blocks: int = 8192  # blocks per data RPC
     max_sessions: int = 256
+    max_sessions_per_uid: int = 64  # open sessions of one uid, so one client cannot lock out the node
     log_level: str = "info"
 
     @property
@@ -89,6 +94,7 @@ ENV_CONFIG_FILE = "KVSERVICE_CONFIG"
 ADMISSION_GATES = ("all", "retained-only", "min-reuse=K")
 WRITE_QUEUE_POLICIES = ("wait", "shed")
 IO_BACKENDS = ("auto", "posix", "kvikio")
+DISK_FORMATS = ("files", "segments")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
 
@@ -263,6 +269,16 @@ def load_config(path: str | None, env: Mapping[str, str], overrides: Mapping[str
     return cfg
 
 
+def parse_uids(text: str) -> tuple[int, ...]:
+    """"1000, 1001" -> (1000, 1001); "" -> (). Raises ValueError."""
+    uids = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if not part.isdigit() or int(part) >= 1 << 32:
+            raise ValueError(f"{part!r} is not a uid (a non-negative integer); give uids separated by commas")
+        uids.append(int(part))
+    return tuple(sorted(set(uids)))
+
+
 def parse_host_port(address: str) -> tuple[str, int]:
     """"127.0.0.1:50051" / "[::1]:50051" / "localhost:0" -> (host, port). Raises ValueError."""
     host, sep, port = address.rpartition(":")
@@ -340,8 +356,10 @@ def validate_config(cfg: Config) -> None:
         )
     one_of("write_queue_policy", WRITE_QUEUE_POLICIES)
     one_of("io_backend", IO_BACKENDS)
+    one_of("disk_format", DISK_FORMATS)
     one_of("log_level", LOG_LEVELS)
-    for name in ("writer_threads", "reader_threads", "write_queue_depth", "max_batch_blocks", "max_sessions"):
+    for name in ("writer_threads", "reader_threads", "write_queue_depth", "max_batch_blocks", "max_sessions",
+                 "max_sessions_per_uid"):
         at_least(name, 1)
     for name in ("lease_seconds", "pin_lease_seconds", "max_ttl_seconds"):
         positive(name)
@@ -365,9 +383,23 @@ def validate_config(cfg: Config) -> None:
                 raise ConfigError(f"{name}: {e}") from None
             if name == "tcp_address" and not is_loopback(host) and not cfg.allow_remote_tcp:
                 raise ConfigError(
-                    f"tcp_address: {address} is not a loopback address; the data plane is unauthenticated, "
+                    f"tcp_address: {address} is not a loopback address; TCP callers are unauthenticated, "
                     f"so listening beyond this host needs allow_remote_tcp = true"
                 )
+            if name == "metrics_address" and not is_loopback(host) and not cfg.allow_remote_metrics:
+                raise ConfigError(
+                    f"metrics_address: {address} is not a loopback address; /metrics is unauthenticated and names "
+                    f"every namespace, so listening beyond this host needs allow_remote_metrics = true"
+                )
+    if cfg.tcp_admin_mutations and not cfg.admin_token:
+        raise ConfigError(
+            "tcp_admin_mutations: a TCP listener that serves Evict and ResetCanary needs admin_token set "
+            "(any local user can reach TCP); set admin_token or drop tcp_admin_mutations"
+        )
+    try:
+        parse_uids(cfg.allowed_uids)
+    except ValueError as e:
+        raise ConfigError(f"allowed_uids: {e}") from None
 
     physical = physical_memory_bytes()
     if physical and cfg.host_capacity_bytes > physical:

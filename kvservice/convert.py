@@ -6,7 +6,6 @@ and namespace fields); malformed input raises CacheError(INVALID_ARGUMENT) namin
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping, Sequence
 
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -16,7 +15,6 @@ from kvservice.stats import Counters, Histogram
 from kvservice.types import HASH_BYTES, CacheError, ErrorCode, LoadResult, PrefetchResult, StoreResult, Tier
 from kvservice.v1 import admin_pb2, kvcache_pb2
 
-SHM_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t) == sizeof(cudaIpcEventHandle_t)
 MAX_LABEL_CHARS = 256  # model ids, dtypes, layouts, salts, client names
 UINT32_MAX = (1 << 32) - 1
@@ -58,8 +56,9 @@ def namespace_spec(request: kvcache_pb2.OpenSessionRequest) -> NamespaceSpec:
     )
 
 
-def pool_spec(request: kvcache_pb2.OpenSessionRequest) -> PoolSpec:
-    """Checks that every block of every region lies inside the described allocation."""
+def pool_spec(request: kvcache_pb2.OpenSessionRequest, shm_fd: int = -1) -> PoolSpec:
+    """Checks that every block of every region lies inside the described allocation. `shm_fd` is
+    the descriptor that came with the request (the pool's memory for a shared-memory pool)."""
     if not request.HasField("pool"):
         raise _invalid("pool is required")
     pool = request.pool
@@ -90,9 +89,10 @@ def pool_spec(request: kvcache_pb2.OpenSessionRequest) -> PoolSpec:
         raise _invalid("pool block size (sum of regions' block_bytes) must fit in 32 bits")
 
     if kind == "shm":
-        if "/" in pool.shm.name or not SHM_NAME.match(pool.shm.name):
-            raise _invalid("pool.shm.name must be 1-200 characters of [A-Za-z0-9_.-] (no slashes)")
-        return PoolSpec(kind="shm", num_blocks=pool.num_blocks, regions=tuple(regions), size=size, shm_name=pool.shm.name)
+        if shm_fd < 0:
+            raise _invalid("pool.shm: the segment's file descriptor must travel with the registration (SCM_RIGHTS); "
+                           "the daemon never opens a segment by name")
+        return PoolSpec(kind="shm", num_blocks=pool.num_blocks, regions=tuple(regions), size=size, shm_fd=shm_fd)
     cuda = pool.cuda
     if len(cuda.handle) != CUDA_IPC_HANDLE_BYTES:
         raise _invalid(f"pool.cuda.handle must be {CUDA_IPC_HANDLE_BYTES} bytes, got {len(cuda.handle)}")
@@ -131,6 +131,7 @@ def open_session_reply(opened: OpenedSession) -> kvcache_pb2.OpenSessionReply:
         lease_seconds=opened.lease_seconds,
         max_batch_blocks=opened.max_batch_blocks,
         block_bytes=opened.block_bytes,
+        label=opened.label,
     )
 
 
@@ -224,7 +225,9 @@ def block_info(hash_hex: str, d: Mapping[str, object] | None) -> admin_pb2.Block
 
 def session_info(s: SessionInfo) -> admin_pb2.SessionInfo:
     return admin_pb2.SessionInfo(
-        session_id=s.session_id,
+        label=s.label,
+        uid=s.uid,
+        pid=s.pid,
         namespace_id=s.namespace_id,
         client_name=s.client_name,
         pool_kind=s.pool_kind,

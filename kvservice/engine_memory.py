@@ -9,7 +9,7 @@ Primitives:
 
 A block's bytes are the concatenation of its row in every region, in region order, so both
 block-contiguous (one region) and layer-first (2 x layers regions) pools work with one copy
-per region per batch. CPU hosts register POSIX shared memory by name; GPU hosts register a
+per region per batch. CPU hosts pass a shared-memory file descriptor; GPU hosts register a
 CUDA IPC handle (cuda_memory.CudaEngineMemory, whose rows are pinned). The rows become host-tier
 buffers as they are: views into slabs, so a batch costs a few copies, not one per block.
 """
@@ -17,9 +17,10 @@ buffers as they are: views into slabs, so a batch costs a few copies, not one pe
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
 import os
-import re
+import stat
 import threading
 from collections.abc import Sequence
 from typing import Protocol
@@ -29,10 +30,6 @@ import torch
 from kvservice.checksum import checksum
 from kvservice.sessions_api import PoolSpec
 from kvservice.types import CacheError, ErrorCode
-
-SHM_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
-SHM_DIR = "/dev/shm"
-
 
 SLAB_BYTES = 16 << 20  # host rows are carved from slabs below glibc's largest mmap threshold
 
@@ -107,24 +104,29 @@ class _InFlight:
 
 
 class ShmEngineMemory:
-    """A POSIX shared-memory pool, opened by name under /dev/shm and mapped once."""
+    """A shared-memory pool, mapped once from the descriptor its engine passed (never opened by name).
+
+    The descriptor is the peer's own capability: whatever it can map read-write, and nothing else,
+    is what this session may touch. It is consumed (closed) here, mapped or not.
+    """
 
     def __init__(self, spec: PoolSpec) -> None:
-        if not SHM_NAME_RE.match(spec.shm_name) or spec.shm_name in (".", ".."):
+        fd = spec.shm_fd
+        if fd < 0:
             raise CacheError(ErrorCode.INVALID_ARGUMENT,
-                             f"pool.shm.name {spec.shm_name!r} is not a shared-memory name ([A-Za-z0-9_.-], no slash)")
-        validate_layout(spec)
-        path = os.path.join(SHM_DIR, spec.shm_name)
+                             "a shared-memory pool must come with its file descriptor (SCM_RIGHTS on the "
+                             "registration socket); the daemon never opens a segment by name")
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-        except OSError as e:
-            raise CacheError(ErrorCode.FAILED_PRECONDITION,
-                             f"cannot open shared-memory segment {spec.shm_name!r}: {e.strerror}") from None
-        try:
-            actual = os.fstat(fd).st_size
-            if actual < spec.size:
+            validate_layout(spec)
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
                 raise CacheError(ErrorCode.INVALID_ARGUMENT,
-                                 f"shared-memory segment {spec.shm_name!r} has {actual} bytes, pool.shm.size says {spec.size}")
+                                 "the pool's file descriptor is not a shared-memory segment or memfd (not a regular file)")
+            if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
+                raise CacheError(ErrorCode.INVALID_ARGUMENT, "the pool's file descriptor must be open read-write")
+            if st.st_size < spec.size:
+                raise CacheError(ErrorCode.INVALID_ARGUMENT,
+                                 f"the pool's segment has {st.st_size} bytes, pool.shm.size says {spec.size}")
             self._mm = mmap.mmap(fd, spec.size)
         finally:
             os.close(fd)

@@ -1,18 +1,24 @@
 """Namespaces: the id of a namespace tuple, and the hash canary each namespace is held to.
 
-The first client of a namespace fixes its canary (persisted under the disk path, so a
-restart keeps it); a later client whose canary differs hashes tokens differently and would
-silently get 0% hits, so it is refused.
+The first session of a namespace that stores a block fixes its canary (persisted under the
+disk path, so a restart keeps it); a later client whose canary differs hashes tokens differently
+and would silently get 0% hits, so it is refused. Opening a session fixes nothing: a probe with
+a bogus canary that never stores cannot lock a namespace. An operator can reset a canary
+(Admin.ResetCanary) when a wrong one got fixed anyway.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 from dataclasses import dataclass
 
+from kvservice.quoting import quoted
 from kvservice.sessions_api import NamespaceSpec, PoolSpec
 from kvservice.types import HASH_BYTES, CacheError, ErrorCode, NamespaceId
+
+NAMESPACE_ID_RE = re.compile(r"[0-9a-f]{32}")
 
 
 def namespace_id(ns: NamespaceSpec, pool: PoolSpec) -> NamespaceId:
@@ -47,7 +53,7 @@ class NamespaceRecord:
     id: NamespaceId
     spec: NamespaceSpec | None  # None for namespaces known only from disk until a client opens one
     block_bytes: int
-    canary: bytes
+    canary: bytes | None  # None until a session of the namespace stores a block
 
 
 class NamespaceRegistry:
@@ -59,26 +65,57 @@ class NamespaceRegistry:
         return os.path.join(self._root, ns_id, "canary")
 
     def admit(self, ns: NamespaceSpec, pool: PoolSpec, canary: bytes) -> NamespaceRecord:
+        """The namespace's record, creating it if new; refuses a canary that differs from a fixed one."""
         validate_namespace(ns)
         if len(canary) != HASH_BYTES:
             raise CacheError(ErrorCode.INVALID_ARGUMENT, f"hash_canary must be {HASH_BYTES} bytes, got {len(canary)}")
         ns_id = namespace_id(ns, pool)
         rec = self.records.get(ns_id)
         if rec is None:
-            known = self._load_canary(ns_id)
-            rec = NamespaceRecord(ns_id, ns, pool.block_bytes, known if known is not None else canary)
-            if known is None:
-                self._save_canary(ns_id, canary)
+            rec = NamespaceRecord(ns_id, ns, pool.block_bytes, self._load_canary(ns_id))
             self.records[ns_id] = rec
         rec.spec = rec.spec or ns
-        if rec.canary != canary:
-            raise CacheError(
-                ErrorCode.FAILED_PRECONDITION,
-                f"hash canary differs from namespace {ns_id}'s (model {ns.model_id!r}): the hash functions differ "
-                "(engine_client version, hash algorithm or token encoding), so this client would never hit "
-                "blocks stored by the others; refusing the session",
-            )
+        self.check_canary(ns_id, canary)
         return rec
+
+    def check_canary(self, ns_id: NamespaceId, canary: bytes) -> None:
+        rec = self.records.get(ns_id)
+        if rec is None or rec.canary is None or rec.canary == canary:
+            return
+        model = quoted(rec.spec.model_id) if rec.spec else "?"
+        raise CacheError(
+            ErrorCode.FAILED_PRECONDITION,
+            f"hash canary differs from namespace {ns_id}'s (model {model}): the hash functions differ "
+            "(engine_client version, hash algorithm or token encoding), so this client would never hit "
+            "blocks stored by the others; refusing the session (an operator can reset the canary with "
+            "Admin.ResetCanary)",
+        )
+
+    def fix_canary(self, ns_id: NamespaceId, canary: bytes) -> bool:
+        """Called after a session stored a block: fixes the canary if none is. True if it fixed it."""
+        rec = self.records.get(ns_id)
+        if rec is None or rec.canary is not None:
+            return False
+        rec.canary = canary
+        self._save_canary(ns_id, canary)
+        return True
+
+    def reset_canary(self, ns_id: NamespaceId) -> bool:
+        """Forget the namespace's canary, in memory and on disk. True if one was fixed."""
+        if not NAMESPACE_ID_RE.fullmatch(ns_id):
+            raise CacheError(ErrorCode.INVALID_ARGUMENT,
+                             f"namespace_id {quoted(ns_id)} is not a namespace id (32 hex digits, as ListNamespaces shows)")
+        rec = self.records.get(ns_id)
+        had = rec is not None and rec.canary is not None
+        if rec is not None:
+            rec.canary = None
+        if self._root:
+            try:
+                os.unlink(self._canary_path(ns_id))
+                had = True
+            except FileNotFoundError:
+                pass
+        return had
 
     def known_from_disk(self, ns_id: NamespaceId, block_bytes: int) -> None:
         if ns_id not in self.records:

@@ -17,11 +17,24 @@ from kvservice.v1 import admin_pb2, admin_pb2_grpc
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
-    def __init__(self, cache: BlockCache, config: Config, clock: Clock) -> None:
+    def __init__(self, cache: BlockCache, config: Config, clock: Clock, *, mutations: bool = True,
+                 listener: str = "the Unix socket") -> None:
+        """mutations=False: a read-only listener (TCP by default); Evict and ResetCanary are refused."""
         self._cache = cache
         self._config = config
         self._clock = clock
         self._started_at = clock.now()
+        self._mutations = mutations
+        self._listener = listener
+
+    def _authorize_mutation(self, method: str, presented: str) -> None:
+        if not self._mutations:
+            raise CacheError(ErrorCode.PERMISSION_DENIED,
+                             f"{method} is not served on {self._listener}: it serves read-only Admin calls; call it "
+                             "on the Unix socket (or run the daemon with tcp_admin_mutations and an admin_token)")
+        token = self._config.admin_token
+        if token and not hmac.compare_digest(presented.encode(), token.encode()):
+            raise CacheError(ErrorCode.PERMISSION_DENIED, "admin_token is missing or wrong")
 
     @maps_cache_errors
     async def Stats(self, request: admin_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> admin_pb2.StatsReply:
@@ -57,9 +70,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     @maps_cache_errors
     async def Evict(self, request: admin_pb2.EvictRequest, context: grpc.aio.ServicerContext) -> admin_pb2.EvictReply:
-        token = self._config.admin_token
-        if token and not hmac.compare_digest(request.admin_token.encode(), token.encode()):
-            raise CacheError(ErrorCode.PERMISSION_DENIED, "admin_token is missing or wrong")
+        self._authorize_mutation("Evict", request.admin_token)
         target = request.WhichOneof("target")
         if target == "namespace_id" and request.namespace_id:
             evicted = await self._cache.evict(namespace=NamespaceId(request.namespace_id))
@@ -73,6 +84,26 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                 'Evict needs exactly one target: namespace_id (non-empty), "expired": true or "all": true',
             )
         return admin_pb2.EvictReply(evicted_blocks=evicted)
+
+    @maps_cache_errors
+    async def DescribeBlocks(
+        self, request: admin_pb2.DescribeBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.DescribeBlocksReply:
+        if not request.namespace_id:
+            raise CacheError(ErrorCode.INVALID_ARGUMENT, "namespace_id is required (see Admin/ListNamespaces)")
+        hashes = convert.hex_hashes(request.hashes)
+        details = self._cache.describe_blocks(NamespaceId(request.namespace_id), hashes)
+        return admin_pb2.DescribeBlocksReply(
+            blocks=[convert.block_info(h.hex(), d) for h, d in zip(hashes, details)])
+
+    @maps_cache_errors
+    async def ResetCanary(
+        self, request: admin_pb2.ResetCanaryRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.ResetCanaryReply:
+        self._authorize_mutation("ResetCanary", request.admin_token)
+        if not request.namespace_id:
+            raise CacheError(ErrorCode.INVALID_ARGUMENT, "ResetCanary needs namespace_id (from ListNamespaces)")
+        return admin_pb2.ResetCanaryReply(was_set=self._cache.reset_canary(NamespaceId(request.namespace_id)))
 
     @maps_cache_errors
     async def DescribeBlocks(

@@ -1,4 +1,8 @@
-"""KVCache servicer: protobuf in, BlockCache call, protobuf out. No logic of its own."""
+"""KVCache servicer: protobuf in, BlockCache call, protobuf out. No logic of its own.
+
+Sessions are opened on the registration socket (registration.py), not here; each listener's
+SessionGuard (session_guard.py) refuses calls for sessions of another peer before they get here.
+"""
 
 from __future__ import annotations
 
@@ -46,15 +50,6 @@ def maps_cache_errors(
 class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     def __init__(self, cache: BlockCache) -> None:
         self._cache = cache
-
-    @maps_cache_errors
-    async def OpenSession(
-        self, request: kvcache_pb2.OpenSessionRequest, context: grpc.aio.ServicerContext
-    ) -> kvcache_pb2.OpenSessionReply:
-        opened = self._cache.open_session(
-            convert.namespace_spec(request), convert.pool_spec(request), request.hash_canary, convert.client_name(request)
-        )
-        return convert.open_session_reply(opened)
 
     @maps_cache_errors
     async def Heartbeat(

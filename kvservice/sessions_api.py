@@ -2,9 +2,29 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from kvservice.types import NamespaceId, SessionId
+
+
+MAIN_LISTENER = "main"  # the data listener of the daemon's own uid (and root): socket_path itself
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """The process that registered a session, as the kernel named it (SO_PEERCRED), and the data
+    listener (Unix socket) whose callers are that uid: the only one the session's calls may use."""
+
+    uid: int
+    gid: int
+    pid: int
+    listener: str = MAIN_LISTENER
+
+    @classmethod
+    def this_process(cls) -> Peer:
+        """The daemon itself: in-process callers (tests, benchmarks) that hand the cache a pool."""
+        return cls(os.getuid(), os.getgid(), os.getpid())
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +55,7 @@ class PoolSpec:
     num_blocks: int
     regions: tuple[PoolRegion, ...]
     size: int  # bytes of the whole allocation
-    shm_name: str = ""
+    shm_fd: int = -1  # the daemon's descriptor of the segment, received from the peer (SCM_RIGHTS); consumed
     cuda_handle: bytes = b""
     cuda_device_index: int = -1
     cuda_device_uuid: str = ""
@@ -48,7 +68,7 @@ class PoolSpec:
 
 @dataclass(frozen=True, slots=True)
 class SessionInfo:
-    session_id: SessionId
+    label: str
     namespace_id: NamespaceId
     client_name: str
     pool_kind: str
@@ -56,6 +76,8 @@ class SessionInfo:
     opened_at: float
     lease_expires_in: float
     pinned_blocks: int
+    uid: int
+    pid: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,3 +87,4 @@ class OpenedSession:
     lease_seconds: float
     max_batch_blocks: int
     block_bytes: int
+    label: str = ""

@@ -28,8 +28,13 @@ class Pool:
     def __init__(self, num_blocks: int = 16, block_bytes: int = BLOCK) -> None:
         self.num_blocks, self.block_bytes = num_blocks, block_bytes
         self.shm = shared_memory.SharedMemory(create=True, size=num_blocks * block_bytes)
-        self.spec = PoolSpec("shm", num_blocks, (PoolRegion(0, block_bytes, block_bytes),),
-                             num_blocks * block_bytes, shm_name=self.shm.name)
+
+    @property
+    def spec(self) -> PoolSpec:
+        """What the registration socket would build: the layout and a new descriptor of the segment
+        (the cache consumes it), as an engine passes it with SCM_RIGHTS."""
+        n, bb = self.num_blocks, self.block_bytes
+        return PoolSpec("shm", n, (PoolRegion(0, bb, bb),), n * bb, shm_fd=os.dup(self.shm._fd))
 
     def write(self, block_id: int, data: bytes) -> None:
         self.shm.buf[block_id * self.block_bytes:(block_id + 1) * self.block_bytes] = data

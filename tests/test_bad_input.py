@@ -18,6 +18,8 @@ import pytest
 import torch
 
 from engine_client import BlockHasher, Namespace, ShmKVPool
+from engine_client.errors import KVClientError
+from engine_client.registration import register
 from kvservice.v1 import kvcache_pb2 as pb
 from kvservice.v1 import kvcache_pb2_grpc
 from tests.daemon_kit import Daemon
@@ -60,8 +62,41 @@ def open_request(pool: ShmKVPool, ns: Namespace = NS) -> pb.OpenSessionRequest:
                                  hash_canary=BlockHasher(ns).canary(), client_name="test_bad_input")
 
 
+class Refused(grpc.RpcError):
+    """A refused registration, shaped like a refused RPC (code(), details())."""
+
+    def __init__(self, err: KVClientError) -> None:
+        super().__init__(err.message)
+        self._err = err
+
+    def code(self) -> grpc.StatusCode:
+        return self._err.code
+
+    def details(self) -> str:
+        return self._err.message
+
+
+LEASES: list = []  # registration connections of the sessions these tests opened: closing one closes its session
+
+
+def open_session(daemon: Daemon, request: pb.OpenSessionRequest, fds: list[int] | None = None,
+                 pool: ShmKVPool | None = None) -> pb.OpenSessionReply:
+    """Register on the daemon's registration socket, passing `fds` (default: the pool's descriptor)."""
+    own = pool.registration_fds() if fds is None and pool is not None else []
+    try:
+        lease, reply = register(daemon.socket_path, request, fds if fds is not None else own, timeout=10)
+    except KVClientError as e:
+        raise Refused(e) from None
+    finally:
+        for fd in own:
+            os.close(fd)
+    LEASES.append(lease)
+    return reply
+
+
 @dataclass
 class Ctx:
+    daemon: Daemon
     stub: kvcache_pb2_grpc.KVCacheStub
     pool: ShmKVPool
     session_id: str
@@ -70,11 +105,14 @@ class Ctx:
 
 
 @pytest.fixture
-def ctx(stub, pool) -> Iterator[Ctx]:
-    mine = stub.OpenSession(open_request(pool), timeout=10)
-    other = stub.OpenSession(open_request(pool, OTHER_NS), timeout=10)
+def ctx(daemon, stub, pool) -> Iterator[Ctx]:
+    mine = open_session(daemon, open_request(pool), pool=pool)
+    other = open_session(daemon, open_request(pool, OTHER_NS), pool=pool)
     stub.CloseSession(pb.CloseSessionRequest(session_id=other.session_id), timeout=10)
-    yield Ctx(stub, pool, mine.session_id, mine.namespace_id, other.namespace_id)
+    c = Ctx(daemon, stub, pool, mine.session_id, mine.namespace_id, other.namespace_id)
+    # a stored block fixes the namespace's canary (opening a session does not)
+    assert [r.status for r in store(c, refs((os.urandom(32), 0))).results] == [STORED]
+    yield c
     stub.CloseSession(pb.CloseSessionRequest(session_id=mine.session_id), timeout=10)
 
 
@@ -101,21 +139,36 @@ def call(c: Ctx, method: str, **fields):
 
 
 def closed_session(c: Ctx) -> str:
-    sid = c.stub.OpenSession(open_request(c.pool), timeout=10).session_id
+    sid = open_session(c.daemon, open_request(c.pool), pool=c.pool).session_id
     c.stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
     return sid
 
 
-def open_with(c: Ctx, edit: Callable[[pb.OpenSessionRequest], None]):
+def open_with(c: Ctx, edit: Callable[[pb.OpenSessionRequest], None], fds: list[int] | None = None):
     req = open_request(c.pool)
     edit(req)
-    return c.stub.OpenSession(req, timeout=10)
+    return open_session(c.daemon, req, fds, pool=c.pool)
 
 
-def set_shm_name(name: str) -> Callable[[pb.OpenSessionRequest], None]:
-    def edit(r: pb.OpenSessionRequest) -> None:
-        r.pool.shm.name = name
-    return edit
+def with_fd(opener: Callable[[Ctx], int]) -> Callable[[Ctx], object]:
+    """Register the context's pool description with the descriptor `opener` makes instead of the pool's."""
+    def bad(c: Ctx) -> object:
+        fd = opener(c)
+        try:
+            return open_with(c, lambda r: None, fds=[fd])
+        finally:
+            os.close(fd)
+    return bad
+
+
+def read_only_segment(c: Ctx) -> int:
+    return os.open(os.path.join("/dev/shm", c.pool.name), os.O_RDONLY)
+
+
+def a_pipe(c: Ctx) -> int:
+    r, w = os.pipe()
+    os.close(w)
+    return r
 
 
 def many(n: int) -> list[pb.BlockRef]:
@@ -165,18 +218,16 @@ BAD_REQUESTS: list[tuple[str, Callable[[Ctx], object], grpc.StatusCode, str]] = 
      INVALID, "ttl_seconds must be a finite number >= 0"),
     ("store duplicate block ids", lambda c: store(c, refs((h(1), 3), (h(2), 3))), INVALID, "a block_id appears twice"),
     ("load duplicate block ids", lambda c: load(c, refs((h(1), 5), (h(2), 6), (h(3), 5))), INVALID, "appears twice"),
-    ("shm name with a path", lambda c: open_with(c, set_shm_name("../etc/passwd")), INVALID, "pool.shm.name"),
-    ("shm name with a slash", lambda c: open_with(c, set_shm_name("a/b")), INVALID, "no slashes"),
-    ("empty shm name", lambda c: open_with(c, set_shm_name("")), INVALID, "pool.shm.name must be 1-200 characters"),
-    ("shm name dot dot", lambda c: open_with(c, set_shm_name("..")), INVALID, "is not a shared-memory name"),
-    ("shm segment that does not exist", lambda c: open_with(c, set_shm_name("kvtest_no_such_segment")),
-     PRECONDITION, "cannot open shared-memory segment 'kvtest_no_such_segment'"),
+    ("shm pool without its descriptor", lambda c: open_with(c, lambda r: None, fds=[]),
+     INVALID, "the daemon never opens a segment by name"),
+    ("shm pool with a read-only descriptor", with_fd(read_only_segment), INVALID, "must be open read-write"),
+    ("shm pool with a pipe for memory", with_fd(a_pipe), INVALID, "is not a shared-memory segment or memfd"),
     ("regions past the pool size", lambda c: open_with(c, lambda r: setattr(r.pool, "num_blocks", POOL_BLOCKS + 1)),
      INVALID, f"past pool.shm.size {POOL_BLOCKS * BLOCK}"),
     ("region offset past the pool", lambda c: open_with(c, lambda r: setattr(r.pool.regions[0], "offset", 1 << 40)),
      INVALID, "pool.regions[0] ends at byte"),
     ("pool size larger than the segment", lambda c: open_with(c, lambda r: setattr(r.pool.shm, "size", 1 << 30)),
-     INVALID, f"has {POOL_BLOCKS * BLOCK} bytes, pool.shm.size says {1 << 30}"),
+     INVALID, f"the pool's segment has {POOL_BLOCKS * BLOCK} bytes, pool.shm.size says {1 << 30}"),
     ("no pool", lambda c: open_with(c, lambda r: r.ClearField("pool")), INVALID, "pool is required"),
     ("tp_rank equal to tp_size",
      lambda c: open_with(c, lambda r: (setattr(r.namespace, "tp_rank", 2), setattr(r.namespace, "tp_size", 2))),
@@ -253,19 +304,18 @@ def test_namespace_mismatch_message_names_both_namespaces(daemon, ctx):
 
 def test_refused_open_session_does_not_claim_the_namespace(daemon, stub, pool):
     """Scenario: the first client ever to name a namespace is refused because its pool cannot be
-    mapped (a missing shared-memory segment), and it also sent a bogus canary. The refusal must
-    leave no trace: a proper engine of that namespace, with the real canary, then gets in, and
-    no namespace appears for the refused request."""
+    mapped (no descriptor came with it), and it also sent a bogus canary. The refusal must leave
+    no trace: a proper engine of that namespace, with the real canary, then gets in, and no
+    namespace appears for the refused request."""
     fresh = Namespace("never-opened-before", "float32", 16, "block-contiguous")
     req = open_request(pool, fresh)
-    req.pool.shm.name = "kvtest_no_such_segment"
     req.hash_canary = b"\x07" * 32
     with pytest.raises(grpc.RpcError) as err:
-        stub.OpenSession(req, timeout=10)
-    assert err.value.code() == PRECONDITION
-    assert "cannot open shared-memory segment" in err.value.details()
+        open_session(daemon, req, fds=[])
+    assert err.value.code() == INVALID
+    assert "never opens a segment by name" in err.value.details()
     phantom = "never-opened-before" in {n.model_id for n in daemon.admin("ListNamespaces").namespaces}
 
-    opened = stub.OpenSession(open_request(pool, fresh), timeout=10)
+    opened = open_session(daemon, open_request(pool, fresh), pool=pool)
     stub.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id), timeout=10)
     assert not phantom, "the refused OpenSession registered its namespace"

@@ -166,8 +166,8 @@ def test_client_with_a_different_hash_canary_is_refused_and_others_carry_on():
             assert a.hello["namespace"] in bad.hello["message"]
 
             assert d.serving()
-            sessions = {s.session_id for s in d.admin("ListSessions").sessions}
-            assert sessions == {a.hello["session"], newcomer.hello["session"]}
+            sessions = {s.label for s in d.admin("ListSessions").sessions}
+            assert sessions == {a.hello["label"], newcomer.hello["label"]}
             assert_loaded(newcomer.call("load", numbers=[0, 1, 2, 3]), 4, HOST)
             assert_stored(a.call("store", numbers=[4, 5]), 2)
             assert_loaded(a.call("load", numbers=[4, 5]), 2, HOST)
@@ -217,7 +217,7 @@ def test_stats_and_admin_views_follow_the_traffic():
         assert row.host_blocks == tiers["host"].blocks and row.disk_blocks == tiers["disk"].blocks
 
         (session,) = d.admin("ListSessions").sessions
-        assert session.session_id == a.hello["session"]
+        assert (session.label, session.pid, session.uid) == (a.hello["label"], a.hello["pid"], os.getuid())
         assert session.namespace_id == ns
         assert session.client_name == f"engine_proc pid {a.hello['pid']}"
         assert (session.pool_kind, session.pool_blocks) == ("shm", 64)

@@ -5,8 +5,11 @@ real Unix socket and copies real bytes out of and into the registered pool)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import mmap
 import os
+import socket
 import re
 import struct
 import subprocess
@@ -29,6 +32,7 @@ from hypothesis import strategies as st
 from engine_client import AsyncKVClient, BlockHasher, KVClient, KVClientError, Namespace, ShmKVPool
 from engine_client.backoff import Backoff
 from engine_client.hashing import CANARY_TOKENS, HASH_BYTES
+from kvservice.peer_socket import recv_frame, registration_path, send_frame
 from kvservice.v1 import kvcache_pb2, kvcache_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
@@ -176,7 +180,13 @@ def test_pool_round_trip_and_rows_land_where_description_says(layout, num_layers
         for b in range(5):
             pool.write_block(b, pattern(96, b))
         desc = pool.description()
-        assert desc.num_blocks == 5 and desc.shm.name == pool.name and desc.shm.size >= 5 * 96
+        assert desc.num_blocks == 5 and desc.shm.size >= 5 * 96
+        assert "name" not in kvcache_pb2.ShmHandle.DESCRIPTOR.fields_by_name  # the daemon gets a descriptor, never a name
+        fd, = pool.registration_fds()
+        try:
+            assert os.fstat(fd).st_size == desc.shm.size and os.fstat(fd).st_ino == os.stat(f"/dev/shm/{pool.name}").st_ino
+        finally:
+            os.close(fd)
         assert len(desc.regions) == (1 if layout == "block-contiguous" else 2 * num_layers)
         assert sum(r.block_bytes for r in desc.regions) == 96
         whole = bytes(pool.buffer.tolist())
@@ -348,8 +358,9 @@ def test_backoff_doubles_to_cap_with_jitter():
 # ---------------------------------------------------------------- client against a stand-in server
 
 class StandInDaemon(kvcache_pb2_grpc.KVCacheServicer):
-    """The smallest KVCache server that honours the proto: one host-tier dict, real copies out of
-    and into the registered shared-memory pool, canary check, sessions. Records what it was sent."""
+    """The smallest KVCache server that honours the proto: a registration socket that maps the
+    descriptor the client passes, one host-tier dict, real copies out of and into that pool,
+    canary check, sessions. Records what it was sent."""
 
     def __init__(self, max_batch_blocks: int = 4, lease_seconds: float = 5.0) -> None:
         self.max_batch_blocks = max_batch_blocks
@@ -363,17 +374,43 @@ class StandInDaemon(kvcache_pb2_grpc.KVCacheServicer):
         self.heartbeats = 0
         self.closed: list[str] = []
 
-    def OpenSession(self, request, context):
+    def OpenSession(self, request, fds):
+        """What the registration socket does with one frame: a RegistrationReply."""
         key = request.namespace.SerializeToString(deterministic=True)
         with self.lock:
             if self.canaries.setdefault(key, request.hash_canary) != request.hash_canary:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, "hash canary differs from this namespace's")
+                return kvcache_pb2.RegistrationReply(code="FAILED_PRECONDITION",
+                                                     message="hash canary differs from this namespace's")
             sid = uuid.uuid4().hex
-            shm = shared_memory.SharedMemory(name=request.pool.shm.name)
-            self.sessions[sid] = (shm, list(request.pool.regions), request.pool.num_blocks)
-        return kvcache_pb2.OpenSessionReply(
+            self.sessions[sid] = (_Mapping(fds[0], request.pool.shm.size), list(request.pool.regions),
+                                  request.pool.num_blocks)
+        return kvcache_pb2.RegistrationReply(session=kvcache_pb2.OpenSessionReply(
             session_id=sid, namespace_id=hashlib.sha256(key).hexdigest()[:16], lease_seconds=self.lease_seconds,
-            max_batch_blocks=self.max_batch_blocks, block_bytes=sum(r.block_bytes for r in request.pool.regions))
+            max_batch_blocks=self.max_batch_blocks, block_bytes=sum(r.block_bytes for r in request.pool.regions),
+            label=f"s{len(self.closed) + len(self.sessions)}"))
+
+    def serve_registration(self, path: str) -> None:
+        """Accept registrations on `path` in a thread until shutdown(); leases stay open meanwhile."""
+        self._reg = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._reg_path = path
+        self._reg.bind(path)
+        self._reg.listen(8)
+        self._leases: list[socket.socket] = []
+
+        def loop() -> None:
+            while True:
+                try:
+                    conn, _ = self._reg.accept()
+                except OSError:
+                    return
+                payload, fds = recv_frame(conn)
+                reply = self.OpenSession(kvcache_pb2.OpenSessionRequest.FromString(payload), fds)
+                for fd in fds:
+                    os.close(fd)
+                send_frame(conn, reply.SerializeToString())
+                self._leases.append(conn)
+
+        threading.Thread(target=loop, daemon=True).start()
 
     def Heartbeat(self, request, context):
         self._session(request.session_id, context)
@@ -449,10 +486,29 @@ class StandInDaemon(kvcache_pb2_grpc.KVCacheServicer):
         return session
 
     def shutdown(self) -> None:
+        with contextlib.suppress(OSError):
+            self._reg.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
+        self._reg.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._reg_path)
+        for conn in self._leases:
+            conn.close()
         with self.lock:
             for shm, _, _ in self.sessions.values():
                 shm.close()
             self.sessions.clear()
+
+
+class _Mapping:
+    """The stand-in's map of a pool descriptor (what the real daemon does in engine_memory)."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self._mm = mmap.mmap(fd, size)
+        self.buf = memoryview(self._mm)
+
+    def close(self) -> None:
+        self.buf.release()
+        self._mm.close()
 
 
 def serve(daemon: StandInDaemon, socket_path: str) -> grpc.Server:
@@ -460,6 +516,9 @@ def serve(daemon: StandInDaemon, socket_path: str) -> grpc.Server:
     kvcache_pb2_grpc.add_KVCacheServicer_to_server(daemon, server)
     server.add_insecure_port(f"unix://{socket_path}")
     server.start()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(registration_path(socket_path))
+    daemon.serve_registration(registration_path(socket_path))
     return server
 
 

@@ -44,7 +44,7 @@ def pinned_blocks(d: Daemon) -> int:
 
 def sessions(d: Daemon) -> dict[str, int]:
     """session id -> prefetch-pinned blocks, from Admin.ListSessions."""
-    return {s.session_id: s.pinned_blocks for s in d.admin("ListSessions").sessions}
+    return {s.label: s.pinned_blocks for s in d.admin("ListSessions").sessions}
 
 
 def maps_pool_of(d: Daemon, eng: EngineProc) -> bool:
@@ -78,7 +78,7 @@ def test_a_killed_engine_with_leases_and_a_load_in_flight_is_released_within_sec
                 spill_to_disk(d, a)
                 assert maps_pool_of(d, a) and maps_pool_of(d, b)
                 assert a.call("prefetch", numbers=[0, 1])["status"] == [STAGED, STAGED]
-                assert sessions(d)[a.hello["session"]] == 2
+                assert sessions(d)[a.hello["label"]] == 2
                 a.send("load", numbers=list(range(2, 8)))  # 24 KiB at 10 kB/s: ~2.4 s of reads
                 sent_at = time.monotonic()
                 wait_until(lambda: d.stats().read_queue_depth > 0, 5, "A's disk reads in flight")
@@ -90,12 +90,12 @@ def test_a_killed_engine_with_leases_and_a_load_in_flight_is_released_within_sec
                 a.close()
             killed_at = time.monotonic()
 
-            wait_until(lambda: a.hello["session"] not in sessions(d), 6, "A's session to be reaped")
+            wait_until(lambda: a.hello["label"] not in sessions(d), 6, "A's session to be reaped")
             wait_until(lambda: pinned_blocks(d) == 0, 6, "A's pins to be released")
             wait_until(lambda: not maps_pool_of(d, a), 6, "A's pool to be unmapped")
             assert maps_pool_of(d, b)
             assert time.monotonic() - killed_at < 8
-            assert list(sessions(d)) == [b.hello["session"]]
+            assert list(sessions(d)) == [b.hello["label"]]
             time.sleep(max(0.0, sent_at + 3.0 - time.monotonic()))  # A's reads would be done by now
             c = d.stats().counters
             assert (c.prefetch_staged, c.prefetch_wasted, c.prefetch_used) == (2, 2, 0)
@@ -137,7 +137,7 @@ def test_an_engine_rides_out_a_daemon_crash_and_reattaches_by_itself():
             d.start()
             state = wait_until(lambda: (s := eng.call("state"))["attached"] and s, 10, "the engine to re-attach")
             assert state["reattachments"] >= 1 and state["session"] != first_session
-            assert state["session"] in {s.session_id for s in d.admin("ListSessions").sessions}
+            assert state["label"] in {s.label for s in d.admin("ListSessions").sessions}
 
             round_trip(eng, [60, 61, 62, 63])
             r = eng.call("load", numbers=ON_DISK)

@@ -119,6 +119,9 @@ class Ctx:
 
 def check_list(c: Ctx) -> None:
     assert {"kvservice.v1.Admin", "kvservice.v1.KVCache", "grpc.health.v1.Health"} <= set(c.ok().split())
+    tcp = subprocess.run([GRPCURL, "-plaintext", c.daemon.tcp_address, "list"], capture_output=True, text=True,
+                         timeout=60)
+    assert "kvservice.v1.Admin" in tcp.stdout and "kvservice.v1.KVCache" not in tcp.stdout  # operators only
 
 
 def check_list_admin(c: Ctx) -> None:
@@ -157,8 +160,10 @@ def check_stats_tcp(c: Ctx) -> None:
 
 
 def check_list_sessions(c: Ctx) -> None:
+    assert c.engine.hello["session"] not in c.run().stdout  # the session id is a secret: never listed
     (session,) = c.json()["sessions"]
-    assert session["session_id"] == c.engine.hello["session"]
+    assert session["label"] == c.engine.hello["label"] and "session_id" not in session
+    assert session["pid"] == c.engine.hello["pid"] and session.get("uid", 0) == os.getuid()
     assert session["namespace_id"] == c.engine.hello["namespace"]
     assert session["client_name"] == f"engine_proc pid {c.engine.hello['pid']}"
     assert (session["pool_kind"], session["pool_blocks"]) == ("shm", 64)
@@ -209,6 +214,13 @@ def check_evict_without_token(c: Ctx) -> None:
     assert c.stored_prefix([150]) == 1
 
 
+def check_reset_canary(c: Ctx) -> None:
+    c.store([160])  # a stored block has fixed the namespace's canary
+    assert c.json() == {"was_set": True}
+    c.store([161])  # the engine's next new block fixes it again
+    assert c.stored_prefix([160, 161]) == 2
+
+
 CHECKS: dict[str, Callable[[Ctx], None]] = {
     "list": check_list,
     "list kvservice.v1.Admin": check_list_admin,
@@ -223,6 +235,7 @@ CHECKS: dict[str, Callable[[Ctx], None]] = {
     "kvservice.v1.Admin/Evict {namespace_id}": check_evict_namespace,
     "kvservice.v1.Admin/Evict {all}": check_evict_all,
     "kvservice.v1.Admin/Evict {all} without admin_token": check_evict_without_token,
+    "kvservice.v1.Admin/ResetCanary {namespace_id}": check_reset_canary,
 }
 RECIPES = guide_recipes()
 

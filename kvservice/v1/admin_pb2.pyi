@@ -171,8 +171,7 @@ class ListNamespacesReply(_message.Message):
     def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "namespace_id", "client_name", "pool_kind", "pool_blocks", "opened_at", "lease_expires_in", "pinned_blocks")
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("namespace_id", "client_name", "pool_kind", "pool_blocks", "opened_at", "lease_expires_in", "pinned_blocks", "label", "uid", "pid")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     POOL_KIND_FIELD_NUMBER: _ClassVar[int]
@@ -180,7 +179,9 @@ class SessionInfo(_message.Message):
     OPENED_AT_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_IN_FIELD_NUMBER: _ClassVar[int]
     PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     client_name: str
     pool_kind: str
@@ -188,7 +189,10 @@ class SessionInfo(_message.Message):
     opened_at: _timestamp_pb2.Timestamp
     lease_expires_in: float
     pinned_blocks: int
-    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[str] = ..., client_name: _Optional[str] = ..., pool_kind: _Optional[str] = ..., pool_blocks: _Optional[int] = ..., opened_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., lease_expires_in: _Optional[float] = ..., pinned_blocks: _Optional[int] = ...) -> None: ...
+    label: str
+    uid: int
+    pid: int
+    def __init__(self, namespace_id: _Optional[str] = ..., client_name: _Optional[str] = ..., pool_kind: _Optional[str] = ..., pool_blocks: _Optional[int] = ..., opened_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., lease_expires_in: _Optional[float] = ..., pinned_blocks: _Optional[int] = ..., label: _Optional[str] = ..., uid: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class ListSessionsRequest(_message.Message):
     __slots__ = ()
@@ -217,6 +221,20 @@ class EvictReply(_message.Message):
     EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     evicted_blocks: int
     def __init__(self, evicted_blocks: _Optional[int] = ...) -> None: ...
+
+class ResetCanaryRequest(_message.Message):
+    __slots__ = ("namespace_id", "admin_token")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADMIN_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: str
+    admin_token: str
+    def __init__(self, namespace_id: _Optional[str] = ..., admin_token: _Optional[str] = ...) -> None: ...
+
+class ResetCanaryReply(_message.Message):
+    __slots__ = ("was_set",)
+    WAS_SET_FIELD_NUMBER: _ClassVar[int]
+    was_set: bool
+    def __init__(self, was_set: _Optional[bool] = ...) -> None: ...
 
 class DescribeBlocksRequest(_message.Message):
     __slots__ = ("namespace_id", "hashes")

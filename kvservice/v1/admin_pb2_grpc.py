@@ -65,6 +65,11 @@ class AdminStub:
                 request_serializer=kvservice_dot_v1_dot_admin__pb2.DescribeBlocksRequest.SerializeToString,
                 response_deserializer=kvservice_dot_v1_dot_admin__pb2.DescribeBlocksReply.FromString,
                 _registered_method=True)
+        self.ResetCanary = channel.unary_unary(
+                '/kvservice.v1.Admin/ResetCanary',
+                request_serializer=kvservice_dot_v1_dot_admin__pb2.ResetCanaryRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_admin__pb2.ResetCanaryReply.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -106,6 +111,12 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetCanary(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -138,6 +149,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.DescribeBlocks,
                     request_deserializer=kvservice_dot_v1_dot_admin__pb2.DescribeBlocksRequest.FromString,
                     response_serializer=kvservice_dot_v1_dot_admin__pb2.DescribeBlocksReply.SerializeToString,
+            ),
+            'ResetCanary': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetCanary,
+                    request_deserializer=kvservice_dot_v1_dot_admin__pb2.ResetCanaryRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_admin__pb2.ResetCanaryReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -302,6 +318,33 @@ class Admin:
             '/kvservice.v1.Admin/DescribeBlocks',
             kvservice_dot_v1_dot_admin__pb2.DescribeBlocksRequest.SerializeToString,
             kvservice_dot_v1_dot_admin__pb2.DescribeBlocksReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetCanary(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.Admin/ResetCanary',
+            kvservice_dot_v1_dot_admin__pb2.ResetCanaryRequest.SerializeToString,
+            kvservice_dot_v1_dot_admin__pb2.ResetCanaryReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -87,12 +87,10 @@ class PoolRegion(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., block_stride: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
 
 class ShmHandle(_message.Message):
-    __slots__ = ("name", "size")
-    NAME_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("size",)
     SIZE_FIELD_NUMBER: _ClassVar[int]
-    name: str
     size: int
-    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+    def __init__(self, size: _Optional[int] = ...) -> None: ...
 
 class CudaIpcHandle(_message.Message):
     __slots__ = ("handle", "device_index", "device_uuid", "size", "event_handle")
@@ -133,18 +131,32 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., pool: _Optional[_Union[PoolDescription, _Mapping]] = ..., hash_canary: _Optional[bytes] = ..., client_name: _Optional[str] = ...) -> None: ...
 
 class OpenSessionReply(_message.Message):
-    __slots__ = ("session_id", "namespace_id", "lease_seconds", "max_batch_blocks", "block_bytes")
+    __slots__ = ("session_id", "namespace_id", "lease_seconds", "max_batch_blocks", "block_bytes", "label", "data_socket")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    DATA_SOCKET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     namespace_id: str
     lease_seconds: float
     max_batch_blocks: int
     block_bytes: int
-    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., max_batch_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+    label: str
+    data_socket: str
+    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., max_batch_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., label: _Optional[str] = ..., data_socket: _Optional[str] = ...) -> None: ...
+
+class RegistrationReply(_message.Message):
+    __slots__ = ("session", "code", "message")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    session: OpenSessionReply
+    code: str
+    message: str
+    def __init__(self, session: _Optional[_Union[OpenSessionReply, _Mapping]] = ..., code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("session_id",)

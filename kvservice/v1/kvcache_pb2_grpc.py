@@ -27,7 +27,9 @@ if _version_not_supported:
 
 
 class KVCacheStub:
-    """Missing associated documentation comment in .proto file."""
+    """Served on Unix sockets only; a session's calls are accepted only on the data socket of the
+    uid that registered it. Sessions are opened on the registration socket, not here.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -35,11 +37,6 @@ class KVCacheStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.OpenSession = channel.unary_unary(
-                '/kvservice.v1.KVCache/OpenSession',
-                request_serializer=kvservice_dot_v1_dot_kvcache__pb2.OpenSessionRequest.SerializeToString,
-                response_deserializer=kvservice_dot_v1_dot_kvcache__pb2.OpenSessionReply.FromString,
-                _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/kvservice.v1.KVCache/Heartbeat',
                 request_serializer=kvservice_dot_v1_dot_kvcache__pb2.HeartbeatRequest.SerializeToString,
@@ -78,13 +75,9 @@ class KVCacheStub:
 
 
 class KVCacheServicer:
-    """Missing associated documentation comment in .proto file."""
-
-    def OpenSession(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+    """Served on Unix sockets only; a session's calls are accepted only on the data socket of the
+    uid that registered it. Sessions are opened on the registration socket, not here.
+    """
 
     def Heartbeat(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -131,11 +124,6 @@ class KVCacheServicer:
 
 def add_KVCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'OpenSession': grpc.unary_unary_rpc_method_handler(
-                    servicer.OpenSession,
-                    request_deserializer=kvservice_dot_v1_dot_kvcache__pb2.OpenSessionRequest.FromString,
-                    response_serializer=kvservice_dot_v1_dot_kvcache__pb2.OpenSessionReply.SerializeToString,
-            ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
                     request_deserializer=kvservice_dot_v1_dot_kvcache__pb2.HeartbeatRequest.FromString,
@@ -180,34 +168,9 @@ def add_KVCacheServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class KVCache:
-    """Missing associated documentation comment in .proto file."""
-
-    @staticmethod
-    def OpenSession(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvservice.v1.KVCache/OpenSession',
-            kvservice_dot_v1_dot_kvcache__pb2.OpenSessionRequest.SerializeToString,
-            kvservice_dot_v1_dot_kvcache__pb2.OpenSessionReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
+    """Served on Unix sockets only; a session's calls are accepted only on the data socket of the
+    uid that registered it. Sessions are opened on the registration socket, not here.
+    """
 
     @staticmethod
     def Heartbeat(request,
