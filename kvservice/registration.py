@@ -23,6 +23,7 @@ import os
 import socket
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
@@ -37,7 +38,9 @@ from kvservice.v1 import kvcache_pb2
 log = logging.getLogger(__name__)
 
 HANDSHAKE_SECONDS = 10.0  # a peer that connects and sends nothing is dropped after this
+FRAME_SECONDS = 2.0  # once the first bytes are there, the rest of the frame must follow within this
 MAX_PENDING_PER_UID = 8  # handshakes in progress per uid: a flood of idle connects costs one uid only
+HANDSHAKE_THREADS = 2  # frame reads and replies run here, never on the pool the cache's closes use
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +74,7 @@ class RegistrationServer:
         self._pending: Counter[int] = Counter()
         self._leases: dict[str, socket.socket] = {}  # session id -> its registration connection
         self._tasks: set[asyncio.Task] = set()
+        self._io = ThreadPoolExecutor(HANDSHAKE_THREADS, thread_name_prefix="kv-registration")
 
     # --- lifecycle
     def bind(self) -> None:
@@ -104,6 +108,7 @@ class RegistrationServer:
         for conn in self._leases.values():
             self._drop(conn)
         self._leases.clear()
+        self._io.shutdown(wait=False)
 
     def prune(self) -> int:
         """Close the registration connections of sessions that ended another way (CloseSession,
@@ -129,7 +134,12 @@ class RegistrationServer:
             task.add_done_callback(self._tasks.discard)
 
     async def _handshake(self, conn: socket.socket) -> None:
-        cred = peer_credentials(conn)
+        try:
+            cred = peer_credentials(conn)
+        except OSError as e:
+            log.info("registration: no peer credentials (%s); dropping the connection", e)
+            conn.close()
+            return
         if self._pending[cred.uid] >= MAX_PENDING_PER_UID:
             log.warning("registration: uid %d has %d handshakes in progress; dropping a connection", cred.uid,
                         self._pending[cred.uid])
@@ -138,16 +148,20 @@ class RegistrationServer:
         self._pending[cred.uid] += 1
         keep = False
         try:
-            conn.setblocking(True)
-            conn.settimeout(HANDSHAKE_SECONDS)
+            loop = asyncio.get_running_loop()
             try:
-                payload, fds = await asyncio.to_thread(recv_frame, conn)
-            except (OSError, FrameError) as e:
-                log.info("registration: uid %d pid %d sent no registration: %s", cred.uid, cred.pid, e)
+                # an idle peer costs no thread: wait for its first bytes on the event loop
+                await asyncio.wait_for(_readable(loop, conn), HANDSHAKE_SECONDS)
+                conn.setblocking(True)
+                conn.settimeout(FRAME_SECONDS)
+                payload, fds = await loop.run_in_executor(self._io, recv_frame, conn)
+            except (OSError, FrameError, asyncio.TimeoutError) as e:
+                log.info("registration: uid %d pid %d sent no registration: %s", cred.uid, cred.pid,
+                         e or type(e).__name__)
                 return
             reply, sid = self._register(cred, payload, fds)
             try:
-                await asyncio.to_thread(send_frame, conn, reply.SerializeToString())
+                await loop.run_in_executor(self._io, send_frame, conn, reply.SerializeToString())
             except OSError as e:
                 log.info("registration: reply to uid %d pid %d failed: %s", cred.uid, cred.pid, e)
                 if sid:
@@ -235,3 +249,13 @@ class RegistrationServer:
         with contextlib.suppress(ValueError, OSError):
             asyncio.get_running_loop().remove_reader(conn.fileno())
         conn.close()
+
+
+async def _readable(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
+    fut = loop.create_future()
+    fd = conn.fileno()
+    loop.add_reader(fd, lambda: fut.done() or fut.set_result(None))
+    try:
+        await fut
+    finally:
+        loop.remove_reader(fd)

@@ -229,6 +229,29 @@ def test_per_uid_session_caps_hold_while_other_uids_connect(shared):
                 c.close()
 
 
+def test_idle_registration_connections_of_another_uid_do_not_block_engines(daemon):
+    """Scenario: uid 65534 opens 20 connections to the registration socket and sends nothing (it
+    may not even open sessions). While it holds them, an engine of this uid registers, stores and
+    loads as usual; the stranger's extra connections beyond its handshake quota were dropped."""
+    p = subprocess.Popen([sys.executable, "-m", "tests.uid_probe", str(STRANGER), daemon.socket_path,
+                          json.dumps([{"op": "hold", "connects": 20}])],
+                         cwd=str(ROOT), env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "holding"
+        with EngineProc(daemon.target) as e:
+            assert e.hello["ready"], e.hello
+            assert e.call("store", numbers=[0, 1])["status"] == [STORED] * 2
+            assert e.call("load", numbers=[0, 1])["status"] == [LOADED] * 2
+        out, _ = p.communicate("\n", timeout=60)
+        who, held = json.loads(out.strip().splitlines()[-1])
+        assert who["uid"] == STRANGER and held == {"held": 20}
+        assert f"uid {STRANGER} has 8 handshakes in progress; dropping a connection" in daemon.log()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+
+
 def test_a_bogus_canary_probe_does_not_lock_a_namespace_and_the_operator_can_reset_one(shared):
     """Scenario: uid 65534 opens the namespace first with a bogus canary and stores nothing: the
     namespace is not locked, and a real engine opens and stores. A second bogus probe is then

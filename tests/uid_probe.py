@@ -16,6 +16,8 @@ JSON list of results, the first being {"uid": its uid}. Steps:
   {"op": "admin", "target": ..., "method": "Evict", "request": {...}} -> {"code", "details", "reply"}
   {"op": "read", "blocks": [0]} -> {"blocks": [hex of the own pool's block]}
   {"op": "connect", "path": "/path"} -> {"errno": name or "OK"}: can this uid open the socket at all?
+  {"op": "hold", "connects": 20} -> {"held": n}: open n connections to the registration socket and
+        send nothing; prints "holding" on a line of its own and waits for a line on stdin
 """
 
 from __future__ import annotations
@@ -105,6 +107,17 @@ def main() -> None:
                     out.append({"code": e.code().name, "details": e.details()})
         elif op == "read":
             out.append({"blocks": [pools[-1].read_block(b).hex() for b in step["blocks"]]})
+        elif op == "hold":
+            held = []
+            for _ in range(step["connects"]):
+                c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                c.connect(socket_path + ".reg")
+                held.append(c)
+            print("holding", flush=True)
+            sys.stdin.readline()
+            out.append({"held": len(held)})
+            for c in held:
+                c.close()
         elif op == "connect":
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
