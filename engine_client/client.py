@@ -346,18 +346,18 @@ class AsyncKVClient:
 
     # --- internals: session upkeep
     async def _wait_ready(self) -> None:
-        """Wait (up to open_timeout) while the fresh channel connects; fail as soon as its own
-        first attempt fails, so that a missing daemon is reported at once rather than after
-        the timeout. The channel has a subchannel of its own (_CHANNEL_OPTIONS), so a failure
-        seen here is this client's, not another client's backoff."""
+        """Wait (up to open_timeout) until the data channel is READY. Called right after the
+        registration socket answered, so the daemon is there: a channel still backing off from
+        the daemon's previous life (TRANSIENT_FAILURE) is waited for, not taken as an answer.
+        The channel has a subchannel of its own (_CHANNEL_OPTIONS): no other client's backoff."""
         channel = self._channel
         assert channel is not None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._open_timeout
         state = channel.get_state(try_to_connect=True)
         while state != grpc.ChannelConnectivity.READY:
-            if state in (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN):
-                raise KVClientError(grpc.StatusCode.UNAVAILABLE, "no daemon accepted the connection")
+            if state == grpc.ChannelConnectivity.SHUTDOWN:
+                raise KVClientError(grpc.StatusCode.UNAVAILABLE, "the data channel was closed")
             remaining = deadline - loop.time()
             try:
                 if remaining <= 0:
