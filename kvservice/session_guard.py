@@ -25,20 +25,29 @@ class SessionGuard(grpc.aio.ServerInterceptor):
     def __init__(self, cache: BlockCache, listener: str) -> None:
         self._cache = cache
         self._listener = listener
+        self._guarded: dict[str, grpc.RpcMethodHandler] = {}  # method -> its wrapped handler, built once
 
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
+        method = handler_call_details.method
+        guarded = self._guarded.get(method)
+        if guarded is not None:
+            return guarded
         handler = await continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None or not handler_call_details.method.startswith(KVCACHE_PREFIX):
+        if handler is None or handler.unary_unary is None or not method.startswith(KVCACHE_PREFIX):
             return handler
+        guarded = self._guarded[method] = self._wrap(handler)
+        return guarded
+
+    def _wrap(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         inner = handler.unary_unary
         cache, listener = self._cache, self._listener
 
         async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            peer = cache.session_peer(getattr(request, "session_id", ""))
+            peer = cache.session_peer(request.session_id)
             if peer is not None and peer.listener != listener:
                 await context.abort(
                     grpc.StatusCode.PERMISSION_DENIED,
