@@ -27,6 +27,7 @@ import pytest
 
 from kvservice import block_file
 from kvservice.cli import FLAGS
+from harness.blocks import h
 from kvservice.config import Config, parse_bytes, parse_seconds
 from tests.daemon_kit import Daemon
 from tests.engine_kit import EngineProc
@@ -97,7 +98,8 @@ class Ctx:
         command = self.recipe.replace(GUIDE_SOCKET, self.daemon.socket_path).replace(GUIDE_TCP,
                                                                                    self.daemon.tcp_address)
         env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-               "KVSERVICE_ADMIN_TOKEN": TOKEN, "NAMESPACE_ID": self.engine.hello["namespace"]}
+               "KVSERVICE_ADMIN_TOKEN": TOKEN, "NAMESPACE_ID": self.engine.hello["namespace"],
+               "BLOCK_HASH": h(170).hex()}
         return subprocess.run(["bash", "-c", f"set -o pipefail; {command}"], capture_output=True, text=True,
                               env=env, timeout=60)
 
@@ -176,6 +178,14 @@ def check_list_namespaces(c: Ctx) -> None:
     assert ns["block_bytes"] == "4096" and ns["sessions"] == 1
 
 
+def check_describe_blocks(c: Ctx) -> None:
+    """$BLOCK_HASH is block 170's hash: stored with a TTL, it is in the host tier and retained."""
+    c.store([170], ttl=600.0)
+    (block,) = c.json()["blocks"]
+    assert block["hash"] == h(170).hex() and block["stored"] is True
+    assert "host" in block["tiers"] and block["retained"] is True and block["retained_until"].endswith("Z")
+
+
 def check_get_config(c: Ctx) -> None:
     """The pipe prints the TOML itself, which reads back; the token is masked."""
     cfg = tomllib.loads(c.ok())
@@ -231,6 +241,7 @@ CHECKS: dict[str, Callable[[Ctx], None]] = {
     "kvservice.v1.Admin/ListSessions": check_list_sessions,
     "kvservice.v1.Admin/ListNamespaces": check_list_namespaces,
     "kvservice.v1.Admin/GetConfig": check_get_config,
+    "kvservice.v1.Admin/DescribeBlocks {hashes,namespace_id} without admin_token": check_describe_blocks,
     "kvservice.v1.Admin/Evict {expired}": check_evict_expired,
     "kvservice.v1.Admin/Evict {namespace_id}": check_evict_namespace,
     "kvservice.v1.Admin/Evict {all}": check_evict_all,
