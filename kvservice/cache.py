@@ -32,7 +32,7 @@ from kvservice.io_throttle import throttled
 from kvservice.namespaces import NamespaceRegistry
 from kvservice.quoting import quoted
 from kvservice.sessions import Session, SessionTable
-from kvservice.sessions_api import NamespaceSpec, OpenedSession, Peer, PoolSpec, SessionInfo
+from kvservice.sessions_api import MAIN_LISTENER, NamespaceSpec, OpenedSession, Peer, PoolSpec, SessionInfo
 from kvservice.stats import CounterSet, Counters, Histogram
 from kvservice.tiers import Tiers
 from kvservice.types import (
@@ -69,8 +69,9 @@ class BlockCache:
         self._io = throttled(io, self.config.disk_read_bytes_per_second, self.config.disk_write_bytes_per_second)
         self.tiers = Tiers(self.config, self._io, self.stats, self.clock.now)
         recovered = await self.tiers.recover()
-        for e in self.tiers.index.values():
-            self.namespaces.known_from_disk(e.namespace, e.size)
+        sizes = {e.namespace: e.size for e in self.tiers.index.values()}  # one canary read per namespace
+        for ns_id, size in sizes.items():
+            self.namespaces.known_from_disk(ns_id, size)
         self.tiers.start()
         return recovered
 
@@ -115,7 +116,8 @@ class BlockCache:
             raise
         memory = open_engine_memory(pool)
         try:
-            rec = self.namespaces.admit(ns, pool, canary)
+            # another allowed uid is its own tenant: its namespaces never share blocks with other uids'
+            rec = self.namespaces.admit(ns, pool, canary, "" if peer.listener == MAIN_LISTENER else peer.listener)
         except BaseException:
             memory.close()
             raise

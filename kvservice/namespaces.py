@@ -21,11 +21,14 @@ from kvservice.types import HASH_BYTES, CacheError, ErrorCode, NamespaceId
 NAMESPACE_ID_RE = re.compile(r"[0-9a-f]{32}")
 
 
-def namespace_id(ns: NamespaceSpec, pool: PoolSpec) -> NamespaceId:
-    """Blocks mean the same bytes only for the same tuple and the same block byte layout."""
+def namespace_id(ns: NamespaceSpec, pool: PoolSpec, tenant: str = "") -> NamespaceId:
+    """Blocks mean the same bytes only for the same tuple and the same block byte layout. `tenant`
+    scopes the namespace to a uid other than the daemon's (and root's), so uids never share blocks:
+    another tenant cannot probe which prompts this one has seen. "" keeps the ids of earlier runs."""
     h = hashlib.blake2b(digest_size=16)
-    for part in (ns.model_id, ns.kv_dtype, str(ns.tokens_per_block), ns.layout, str(ns.tp_rank), str(ns.tp_size),
-                 ns.cache_salt, ",".join(str(r.block_bytes) for r in pool.regions)):
+    parts = [ns.model_id, ns.kv_dtype, str(ns.tokens_per_block), ns.layout, str(ns.tp_rank), str(ns.tp_size),
+             ns.cache_salt, ",".join(str(r.block_bytes) for r in pool.regions)]
+    for part in parts + ([f"tenant={tenant}"] if tenant else []):
         b = part.encode()
         h.update(len(b).to_bytes(4, "little") + b)
     return NamespaceId(h.hexdigest())
@@ -64,12 +67,12 @@ class NamespaceRegistry:
     def _canary_path(self, ns_id: NamespaceId) -> str:
         return os.path.join(self._root, ns_id, "canary")
 
-    def admit(self, ns: NamespaceSpec, pool: PoolSpec, canary: bytes) -> NamespaceRecord:
+    def admit(self, ns: NamespaceSpec, pool: PoolSpec, canary: bytes, tenant: str = "") -> NamespaceRecord:
         """The namespace's record, creating it if new; refuses a canary that differs from a fixed one."""
         validate_namespace(ns)
         if len(canary) != HASH_BYTES:
             raise CacheError(ErrorCode.INVALID_ARGUMENT, f"hash_canary must be {HASH_BYTES} bytes, got {len(canary)}")
-        ns_id = namespace_id(ns, pool)
+        ns_id = namespace_id(ns, pool, tenant)
         rec = self.records.get(ns_id)
         if rec is None:
             rec = NamespaceRecord(ns_id, ns, pool.block_bytes, self._load_canary(ns_id))

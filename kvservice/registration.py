@@ -30,7 +30,13 @@ from google.protobuf.message import DecodeError
 
 from kvservice import convert
 from kvservice.cache import BlockCache
-from kvservice.peer_socket import FrameError, PeerCred, peer_credentials, recv_frame, send_frame
+from kvservice.peer_socket import (
+    FrameError,
+    PeerCred,
+    peer_credentials,
+    recv_frame,
+    send_frame,
+)
 from kvservice.sessions_api import MAIN_LISTENER, Peer
 from kvservice.types import CacheError, ErrorCode
 from kvservice.v1 import kvcache_pb2

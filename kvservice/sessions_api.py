@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 from kvservice.types import NamespaceId, SessionId
 
-
 MAIN_LISTENER = "main"  # the data listener of the daemon's own uid (and root): socket_path itself
 
 

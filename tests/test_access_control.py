@@ -9,7 +9,6 @@ data sockets are 0600, each owned by the uid it serves).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -19,7 +18,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from harness.blocks import content, h
+from harness.blocks import h
 from harness.daemon import ROOT, Daemon, child_env
 from harness.engine import EngineProc
 from kvservice.config import ConfigError, load_config
@@ -170,12 +169,11 @@ def test_an_allowed_uid_gets_its_own_data_socket_and_cannot_use_a_learned_sessio
 
 
 def test_a_session_moves_bytes_only_between_the_daemon_and_memory_its_peer_passed(shared):
-    """Scenario: the victim's pool holds its blocks. The stranger (another uid) registers a pool of
-    its own and stores its blocks 0-7, then loads the victim's stored block 0 (same namespace,
-    so the same hash is the same block) into its own block 9. The daemon read the stranger's
-    memory for the Store (the bytes stored are the stranger's) and wrote only into the stranger's
-    memory for the Load: the victim's pool is byte for byte what it was. Ids past its own pool,
-    a pool described larger than the memory sent, and a pool without its memory are refused."""
+    """Scenario: the victim's pool holds its blocks. The stranger (another uid, same model and
+    layout) registers a pool of its own, stores its blocks 0-7 and loads one back into its block 9:
+    the bytes are its own memory's. Its namespace is its own tenant's (another id than the
+    victim's), so the victim's block 0 is MISSING to it and its blocks are invisible to the
+    victim. Ids past its own pool are refused. The victim's pool is byte for byte what it was."""
     d = shared
     with EngineProc(d.target) as victim:
         assert victim.call("store", numbers=[0])["status"] == [STORED]
@@ -185,23 +183,23 @@ def test_a_session_moves_bytes_only_between_the_daemon_and_memory_its_peer_passe
             d,
             {"op": "register", "blocks": 16, "fill": "OWN"},
             store_step(mine, "$own", [(100 + b, b) for b in range(8)]),
-            load_step(mine, "$own", [(0, 9)]),
+            load_step(mine, "$own", [(100, 9)]),
             {"op": "read", "blocks": [9]},
+            load_step(mine, "$own", [(0, 10)]),
             load_step(mine, "$own", [(0, 16)]),
             store_step(mine, "$own", [(200, 40)]),
         )
-        reg, store, load, read, past_load, past_store = got
-        assert reg["code"] == "OK"
+        reg, store, load, read, theirs, past_load, past_store = got
+        assert reg["code"] == "OK" and reg["namespace"] != victim.hello["namespace"]
         assert [r["status"] for r in store["results"]] == ["STORED"] * 8
         assert load["results"][0]["status"] == "LOADED"
-        assert bytes.fromhex(read["blocks"][0]) == content(0)  # landed in its own pool
+        assert bytes.fromhex(read["blocks"][0]) == (b"OWN" * 2000)[:4096]  # its own memory's bytes, in its pool
+        assert theirs["results"][0]["status"] == "MISSING"
         for r in (past_load, past_store):
             assert r["code"] == "INVALID_ARGUMENT" and "outside the pool's 16 blocks" in r["details"], r
         assert victim_digest(victim, list(range(64))) == before
-        # what the stranger stored is its own memory's bytes, not anything of the victim's
-        loaded = victim.call("load", numbers=[100, 101], slots=[40, 41])
-        assert loaded["status"] == [LOADED] * 2
-        assert victim.call("read", blocks=[40])["sha256"] == [hashlib.sha256((b"OWN" * 2000)[:4096]).hexdigest()]
+        assert victim.call("lookup", numbers=[100, 101])["prefix"] == 0
+        assert victim.call("load", numbers=[0])["exact"] == [True]
 
     with pytest.raises(KeyError):  # the OpenSession RPC that took a segment name is gone from the data plane
         kvcache_pb2.DESCRIPTOR.services_by_name["KVCache"].methods_by_name["OpenSession"]
@@ -252,22 +250,45 @@ def test_idle_registration_connections_of_another_uid_do_not_block_engines(daemo
             p.wait(10)
 
 
+def register_as_me(d: Daemon, canary: bytes):
+    """Open a session from this process (this uid) with the engines' namespace and `canary`."""
+    from engine_client import BlockHasher, Namespace, ShmKVPool
+    from engine_client.errors import KVClientError
+    from engine_client.registration import register
+
+    ns = Namespace("m", "float32", 16, "block-contiguous")
+    with ShmKVPool(64, 4096) as pool:
+        request = kvcache_pb2.OpenSessionRequest(namespace=ns.to_proto(), pool=pool.description(),
+                                                 hash_canary=canary or BlockHasher(ns).canary(), client_name="probe")
+        fds = pool.registration_fds()
+        try:
+            return register(d.socket_path, request, fds, timeout=10)
+        except KVClientError as e:
+            return e
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+
 def test_a_bogus_canary_probe_does_not_lock_a_namespace_and_the_operator_can_reset_one(shared):
-    """Scenario: uid 65534 opens the namespace first with a bogus canary and stores nothing: the
-    namespace is not locked, and a real engine opens and stores. A second bogus probe is then
-    refused (the canary is fixed by the engine's store). The operator resets the canary: refused
-    without the token, and over TCP it is not served; with the token it is reset, the probe gets
-    in, and it is the store of a session that fixes the canary again."""
+    """Scenario: a probe opens the engines' namespace first with a bogus canary and stores
+    nothing: the namespace is not locked, and a real engine opens and stores. A second bogus
+    probe is then refused (the engine's store fixed the canary). The operator resets the canary:
+    refused without the token; with it the canary is reset, the probe gets in, and the engine's
+    next store fixes the canary again. Another uid's bogus canary never reaches this namespace:
+    its namespaces are its own tenant's."""
     d = shared
-    bogus = "07" * 32
-    probe = as_stranger(d, {"op": "register", "canary": bogus})
-    assert probe[0]["code"] == "OK"  # opened; it never stores
-    ns = probe[0]["namespace"]
+    bogus = b"\x07" * 32
+    lease, probe = register_as_me(d, bogus)  # opened; it never stores
+    ns = probe.namespace_id
+    lease.close()
+    (stranger,) = as_stranger(d, {"op": "register", "canary": bogus.hex()})
+    assert stranger["code"] == "OK" and stranger["namespace"] != ns
     with EngineProc(d.target) as engine:
         assert engine.hello["ready"] and engine.hello["namespace"] == ns
         assert engine.call("store", numbers=[0, 1])["status"] == [STORED] * 2
-        again = as_stranger(d, {"op": "register", "canary": bogus})
-        assert again[0]["code"] == "FAILED_PRECONDITION" and "hash canary differs" in again[0]["message"]
+        again = register_as_me(d, bogus)
+        assert again.code == grpc.StatusCode.FAILED_PRECONDITION and "hash canary differs" in again.message
 
         with pytest.raises(grpc.RpcError) as err:
             d.admin("ResetCanary", namespace_id=ns)
@@ -277,11 +298,11 @@ def test_a_bogus_canary_probe_does_not_lock_a_namespace_and_the_operator_can_res
             d.admin("ResetCanary", namespace_id="../../etc", admin_token=TOKEN)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
-        after = as_stranger(d, {"op": "register", "canary": bogus})
-        assert after[0]["code"] == "OK"
+        lease, _ = register_as_me(d, bogus)
+        lease.close()
         assert engine.call("store", numbers=[2])["status"] == [STORED]  # fixes the engine's canary again
-        last = as_stranger(d, {"op": "register", "canary": bogus})
-        assert last[0]["code"] == "FAILED_PRECONDITION"
+        last = register_as_me(d, bogus)
+        assert last.code == grpc.StatusCode.FAILED_PRECONDITION
 
 
 def test_reset_canary_over_tcp_only_with_tcp_admin_mutations_and_the_token():

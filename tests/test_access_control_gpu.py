@@ -8,7 +8,13 @@ import os
 import pytest
 
 from harness.engine import EngineProc
-from tests.test_access_control import STRANGER, as_stranger, load_step, reachable_daemon, store_step
+from tests.test_access_control import (
+    STRANGER,
+    as_stranger,
+    load_step,
+    reachable_daemon,
+    store_step,
+)
 from tests.test_gpu import gpu, needs_gpu
 
 STORED, LOADED = 1, 1
