@@ -105,17 +105,6 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             raise CacheError(ErrorCode.INVALID_ARGUMENT, "ResetCanary needs namespace_id (from ListNamespaces)")
         return admin_pb2.ResetCanaryReply(was_set=self._cache.reset_canary(NamespaceId(request.namespace_id)))
 
-    @maps_cache_errors
-    async def DescribeBlocks(
-        self, request: admin_pb2.DescribeBlocksRequest, context: grpc.aio.ServicerContext
-    ) -> admin_pb2.DescribeBlocksReply:
-        if not request.namespace_id:
-            raise CacheError(ErrorCode.INVALID_ARGUMENT, "namespace_id is required (see Admin/ListNamespaces)")
-        hashes = convert.hex_hashes(request.hashes)
-        details = self._cache.describe_blocks(NamespaceId(request.namespace_id), hashes)
-        return admin_pb2.DescribeBlocksReply(
-            blocks=[convert.block_info(h.hex(), d) for h, d in zip(hashes, details)])
-
     async def GetConfig(
         self, request: admin_pb2.GetConfigRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.GetConfigReply:
