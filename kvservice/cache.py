@@ -553,7 +553,7 @@ class BlockCache:
         t = self._t
         now = self.clock.now()
         if namespace not in self.namespaces.records and not any(e.namespace == namespace for e in t.index.values()):
-            raise CacheError(ErrorCode.NOT_FOUND, f"namespace {namespace!r} has no blocks and no sessions")
+            raise CacheError(ErrorCode.NOT_FOUND, f"namespace {quoted(namespace)} has no blocks and no sessions")
         out: list[dict | None] = []
         for h in hashes:
             e = t.index.get(BlockKey(namespace, BlockHash(h)))

@@ -366,9 +366,9 @@ def test_client_strings_are_logged_escaped_never_raw(daemon):
 
 
 def test_error_messages_quote_at_most_a_short_prefix_of_client_input(daemon):
-    """Scenario: a client sends a 1 MiB session id and a 1 MiB namespace id. The answers are the
-    right refusals (NOT_FOUND, PERMISSION_DENIED), not RESOURCE_EXHAUSTED from an oversized error,
-    and each message stays short."""
+    """Scenario: a client sends a 1 MiB session id and a 1 MiB namespace id (to the data plane and
+    to Admin.DescribeBlocks). The answers are the right refusals (NOT_FOUND, PERMISSION_DENIED), not
+    RESOURCE_EXHAUSTED from an oversized error, and each message stays short."""
     with EngineProc(daemon.target) as e, grpc.insecure_channel(daemon.target) as ch:
         stub = kvcache_pb2_grpc.KVCacheStub(ch)
         with pytest.raises(grpc.RpcError) as err:
@@ -379,6 +379,9 @@ def test_error_messages_quote_at_most_a_short_prefix_of_client_input(daemon):
                                                   namespace_id="n" * (1 << 20)), timeout=10)
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and len(err.value.details()) < 300
         assert "(1048576 characters)" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        daemon.admin("DescribeBlocks", namespace_id="n" * (1 << 20), hashes=[h(0).hex()])
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and len(err.value.details()) < 200
 
 
 @pytest.mark.parametrize("setting, value, allow, says", [
