@@ -11,11 +11,17 @@ both fitted (weighted least squares over its recent loads, newest weighing most)
 is not enough: the first loads of a run are small and latency-dominated, so bytes / seconds of them
 understates the bandwidth by an order of magnitude, and an engine that believes it never loads again.
 
+A tier's very first load pays one-time costs (mappings, streams, cold caches: 1.5 s for a 2 GiB load
+whose next one took 0.2 s on the H200), so it is dropped from the fit once a second load is seen.
+
 An estimate is trusted only where it was measured: for load sizes within a factor of SPREAD of the
-sizes seen, and while its newest observation is younger than stale_s. Outside that (a tier never
-loaded, a load much bigger or smaller than any seen, an estimate gone stale) the tier is uncertain, and
-the plan loads anyway -- explores -- at most once per explore_gap_s per tier, so that a tier that looked
-slow once is measured again and a tier that is slow is not loaded from on every request. Every method
+sizes seen, while its newest observation is younger than stale_s, and while that observation agreed
+(within SURPRISE x) with what the fit predicted for it. Outside that (a tier never loaded, a load much
+bigger or smaller than any seen, an estimate gone stale or contradicted) the tier is uncertain. The
+plan then compares its choice with the one it would make were the uncertain tiers free; where the two
+differ it loads the optimistic choice -- explores -- at most once per explore_gap_s per tier, so that a
+tier that looked slow once is measured again, a tier that is slow is not loaded from on every request,
+and exploring a small uncertain share of a prefix never drags a slow known tier along. Every method
 takes no time itself: `clock` (monotonic seconds) is injected, so tests drive it by hand.
 """
 
@@ -29,7 +35,8 @@ from typing import NamedTuple
 
 SPREAD = 2.0  # a fit is trusted for load sizes within this factor of the sizes it was fitted on
 WINDOW = 16  # observations kept per tier
-DECAY = 0.85  # weight of an observation relative to the next newer one
+DECAY = 0.7  # weight of an observation relative to the next newer one
+SURPRISE = 2.0  # an observation this many times off the fit's prediction makes the tier uncertain
 
 
 class Plan(NamedTuple):
@@ -53,12 +60,25 @@ class LoadFit:
 class _TierLoads:
     """Recent (bytes, seconds, when) of one tier and the affine fit through them."""
 
-    __slots__ = ("obs", "last_explore", "prior_latency")
+    __slots__ = ("last_explore", "obs", "prior_latency", "seen", "surprised")
 
     def __init__(self) -> None:
         self.obs: deque[tuple[float, float, float]] = deque(maxlen=WINDOW)
         self.last_explore = float("-inf")
         self.prior_latency = 0.0  # used while all observations have one size
+        self.seen = 0  # loads observed, ever
+        self.surprised = False  # the newest observation disagreed with the fit before it
+
+    def add(self, nbytes: float, seconds: float, now: float, *, seeded: bool = False) -> None:
+        before = self.fit()
+        if before is not None:
+            predicted = before.seconds(nbytes)
+            self.surprised = not predicted / SURPRISE <= seconds <= predicted * SURPRISE
+        if self.seen == 1 and not seeded and len(self.obs) == 1:
+            self.obs.clear()  # the first load paid one-time costs: the second one measures the tier
+            self.surprised = False
+        self.seen += 1
+        self.obs.append((nbytes, seconds, now))
 
     def fit(self) -> LoadFit | None:
         if not self.obs:
@@ -87,8 +107,8 @@ class _TierLoads:
         return LoadFit(a, max(0.0, my - a) / mx)
 
     def certain_for(self, nbytes: float, now: float, stale_s: float) -> bool:
-        if not self.obs or now - self.obs[-1][2] > stale_s:
-            return False
+        if self.seen < 2 or self.surprised or now - self.obs[-1][2] > stale_s:
+            return False  # a first load alone, a contradicted fit or a stale one: not trusted
         xs = [x for x, _, _ in self.obs]
         return min(xs) / SPREAD <= nbytes <= max(xs) * SPREAD
 
@@ -153,7 +173,7 @@ class CostModel:
         t.prior_latency = latency_s
         now = self._clock()
         for n in (1, 64):
-            t.obs.append((n * block_bytes, latency_s + n * block_bytes / bytes_per_s, now))
+            t.add(n * block_bytes, latency_s + n * block_bytes / bytes_per_s, now, seeded=True)
 
     def observe_prefill(self, n_tokens: int, ctx: int, seconds: float) -> None:
         if n_tokens > 0 and seconds > 0:
@@ -179,7 +199,7 @@ class CostModel:
             if f is not None and state is not None and state.certain_for(n * block_bytes, now, self.stale_s):
                 rest -= n * block_bytes * f.seconds_per_byte
         if rest > 0:
-            self._tiers.setdefault(deepest, _TierLoads()).obs.append((count[deepest] * block_bytes, rest, now))
+            self._tiers.setdefault(deepest, _TierLoads()).add(count[deepest] * block_bytes, rest, now)
 
     # --- the decision
     def plan(self, tiers: Sequence[int], block_bytes: int, tokens_per_block: int, ctx: int) -> Plan:
@@ -200,6 +220,23 @@ class CostModel:
         if flops_per_s is None or any(t not in self._tiers or not self._tiers[t].obs for t in count):
             return Plan(len(tiers), "explore")  # nothing to compare with yet: loading is how it gets measured
         fits = {t: self.fit(t) for t in count}
+        best = self._best(tiers, fits, block_bytes, tokens_per_block, ctx, flops_per_s)
+        if uncertain:
+            free = LoadFit(0.0, 0.0)
+            hopeful = self._best(tiers, {t: free if t in uncertain else f for t, f in fits.items()}, block_bytes,
+                                 tokens_per_block, ctx, flops_per_s)
+            if hopeful != best:
+                explorable = [t for t in uncertain if t in tiers[:hopeful]
+                              and now - self._tiers.setdefault(t, _TierLoads()).last_explore >= self.explore_gap_s]
+                if explorable:
+                    for t in explorable:
+                        self._tiers[t].last_explore = now
+                    return Plan(hopeful, "explore")
+        return Plan(best, "load" if best else "recompute")
+
+    def _best(self, tiers: Sequence[int], fits: dict[int, LoadFit | None], block_bytes: int, tokens_per_block: int,
+              ctx: int, flops_per_s: float) -> int:
+        """The prefix length with the largest estimated saving (0: recompute everything)."""
         best, best_gain = 0, 0.0
         byte_s, latency = 0.0, 0.0
         for k, tier in enumerate(tiers, 1):
@@ -210,11 +247,4 @@ class CostModel:
             gain = self._flops(k * tokens_per_block, ctx) / flops_per_s - (latency + byte_s)
             if gain > best_gain:
                 best, best_gain = k, gain
-        if best < len(tiers) and uncertain:
-            explorable = [t for t in uncertain if now - self._tiers.setdefault(t, _TierLoads()).last_explore
-                          >= self.explore_gap_s]
-            if explorable:
-                for t in explorable:
-                    self._tiers[t].last_explore = now
-                return Plan(len(tiers), "explore")
-        return Plan(best, "load" if best else "recompute")
+        return best

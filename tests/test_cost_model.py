@@ -41,10 +41,11 @@ def true_load(latency_s: float, bytes_per_s: float, blocks: int) -> float:
 
 def test_latency_dominated_first_load_does_not_stop_later_large_loads() -> None:
     """Scenario (as measured on the H200): the first host load is 7 blocks in 16.9 ms, nearly all fixed
-    cost; bytes / seconds of it says 0.87 GB/s, at which a 200-block prefix (3200 tokens, 50 ms of
-    prefill) looks slower to load (480 ms) than to recompute. The model does not trust a 7-block
-    measurement for a 200-block load: it loads (explores), fits latency and bandwidth from the two
-    sizes, and from then on loads large prefixes because they are cheaper, and recomputes tiny ones."""
+    cost (and a first load's one-time costs); bytes / seconds of it says 0.87 GB/s, at which a 200-block
+    prefix (3200 tokens, 50 ms of prefill) looks slower to load (480 ms) than to recompute. The model
+    trusts neither a first load nor a 7-block measurement for a 200-block load: it loads (explores),
+    and from then on loads large prefixes. A later small load that takes far longer than the fit says
+    (fixed cost) teaches it the latency, and tiny prefixes are recomputed."""
     clock = Clock()
     cm = CostModel(flops, clock=clock)
     cm.observe_prefill(3200, 0, 0.05)  # 64 TFLOP/s: 15.6 us a token
@@ -55,36 +56,62 @@ def test_latency_dominated_first_load_does_not_stop_later_large_loads() -> None:
     assert cm.plan([HOST] * 200, BLOCK, TPB, 0) == Plan(200, "explore")
     clock.t += 0.1
     cm.observe_load([HOST] * 200, BLOCK, true_load(latency, bw, 200))
+    for n in (150, 200, 300):  # trusted now (within x2 of the size seen): loading wins on the estimate
+        clock.t += 0.1
+        assert cm.plan([HOST] * n, BLOCK, TPB, 0) == Plan(n, "load")
+    clock.t += 0.1
+    cm.observe_load([HOST] * 7, BLOCK, true_load(latency, bw, 7))  # far slower than bandwidth alone says
     fit = cm.fit(HOST)
     assert fit is not None
     assert fit.latency_s == pytest.approx(latency, rel=0.05)
     assert fit.bytes_per_s == pytest.approx(bw, rel=0.1)
-    for n in (150, 200, 300):  # trusted now (within x2 of the sizes seen): loading wins on the estimate
-        clock.t += 0.1
-        assert cm.plan([HOST] * n, BLOCK, TPB, 0) == Plan(n, "load")
     # 4 blocks: 1 ms of prefill against 16.6 ms of fixed load cost.
     assert cm.plan([HOST] * 4, BLOCK, TPB, 0) == Plan(0, "recompute")
+    assert cm.plan([HOST] * 200, BLOCK, TPB, 0) == Plan(200, "load")
+
+
+def test_a_cold_first_load_is_measured_again() -> None:
+    """Scenario (the H200 run): a tier's first 945-block load took 1.5 s (one-time costs), the next
+    0.2 s, against 0.63 s of prefill. The first load alone is not trusted: the model loads again, and
+    the second measurement, not an average with the cold one, decides."""
+    clock = Clock()
+    cm = CostModel(flops, clock=clock)
+    cm.observe_prefill(15120, 0, 0.63)
+    n = 945
+    assert cm.plan([HOST] * n, BLOCK, TPB, 0).reason == "explore"
+    cm.observe_load([HOST] * n, BLOCK, 1.5)
+    clock.t += 3
+    assert cm.plan([HOST] * n, BLOCK, TPB, 0) == Plan(n, "explore")
+    cm.observe_load([HOST] * n, BLOCK, 0.2)
+    for _ in range(10):
+        clock.t += 1
+        assert cm.plan([HOST] * n, BLOCK, TPB, 0) == Plan(n, "load")
 
 
 def test_disk_slower_than_prefill_is_recomputed_and_measured_again_when_stale() -> None:
     """Scenario: the disk delivers 0.5 GB/s after 5 ms (9.2 ms for one 2 MiB block, 4.2 ms a block after
-    that) and prefill takes 0.25 ms a token (4 ms a block): the disk loses at every size. The first load
-    measures it; a size far from the one seen is explored once; after that the model recomputes and,
-    while the estimate is fresh, never loads again. Once stale_s has passed without a disk load it
-    loads once more to re-measure (at most once per explore_gap_s), then recomputes again."""
+    that) and prefill takes 0.25 ms a token (4 ms a block): the disk loses at every size. Two loads measure
+    it (the first one is a warm-up); a size far from the one seen is explored once; after that the model
+    recomputes and, while the estimate is fresh, never loads again. Once stale_s has passed without a disk
+    load it loads once more to re-measure (at most once per explore_gap_s), then recomputes again."""
     clock = Clock()
     cm = CostModel(flops, clock=clock, stale_s=30.0, explore_gap_s=2.0)
     cm.observe_prefill(1000, 0, 0.25)
     lat, bw = 0.005, 0.5e9
     assert cm.plan([DISK] * 4, BLOCK, TPB, 0) == Plan(4, "explore")  # never measured
+    cm.observe_load([DISK] * 4, BLOCK, 3 * true_load(lat, bw, 4))  # cold
+    clock.t += 3
+    assert cm.plan([DISK] * 4, BLOCK, TPB, 0) == Plan(4, "explore")  # a first load alone is not trusted
     cm.observe_load([DISK] * 4, BLOCK, true_load(lat, bw, 4))
     clock.t += 1
     assert cm.plan([DISK] * 4, BLOCK, TPB, 0) == Plan(0, "recompute")  # measured at this size: slower
-    assert cm.plan([DISK] * 32, BLOCK, TPB, 0) == Plan(32, "explore")  # 8x any size seen: not trusted
+    clock.t += 2
+    assert cm.plan([DISK] * 32, BLOCK, TPB, 0) == Plan(32, "explore")  # 8x the size seen: not trusted
     assert cm.plan([DISK] * 32, BLOCK, TPB, 0) == Plan(0, "recompute")  # explored < explore_gap_s ago
     cm.observe_load([DISK] * 32, BLOCK, true_load(lat, bw, 32))
     fit = cm.fit(DISK)
     assert fit is not None and fit.bytes_per_s == pytest.approx(bw, rel=0.01)
+    assert fit.latency_s == pytest.approx(lat, rel=0.01)
     for _ in range(20):  # fresh and trusted: recompute, no more exploring
         clock.t += 1
         assert cm.plan([DISK] * 16, BLOCK, TPB, 0) == Plan(0, "recompute")
@@ -102,7 +129,7 @@ def test_disk_faster_than_prefill_is_loaded() -> None:
     clock = Clock()
     cm = model(clock)
     lat, bw = 0.002, 6e9
-    for n in (4, 32):
+    for n in (4, 4, 32):  # the first is a warm-up
         cm.plan([DISK] * n, BLOCK, TPB, 0)
         cm.observe_load([DISK] * n, BLOCK, true_load(lat, bw, n))
         clock.t += 1
@@ -110,6 +137,19 @@ def test_disk_faster_than_prefill_is_loaded() -> None:
     assert fit is not None and fit.latency_s == pytest.approx(lat, rel=0.01)
     for n in (2, 8, 40, 64):
         assert cm.plan([DISK] * n, BLOCK, TPB, 0) == Plan(n, "load")
+
+
+def test_exploring_a_small_uncertain_share_does_not_load_a_known_slow_tier() -> None:
+    """Scenario (the H200 disk run): a prefix of 40 host blocks (host: a size never seen) and 900 disk
+    blocks (disk: known, 20x slower than prefill). Exploring the host tier loads the host blocks only."""
+    clock = Clock()
+    cm = model(clock)
+    for _ in range(2):  # each tier seen twice (the first is a warm-up): host at 900 blocks, disk at 1000
+        cm.observe_load([HOST] * 900, BLOCK, 0.001 + 900 * BLOCK / 20e9)
+        cm.observe_load([DISK] * 1000, BLOCK, 0.005 + 1000 * BLOCK / 0.02e9)
+    clock.t += 3
+    plan = cm.plan([HOST] * 40 + [DISK] * 900, BLOCK, TPB, 0)
+    assert plan.blocks == 40
 
 
 def test_mixed_prefix_loads_the_host_part_and_recomputes_the_slow_disk_tail() -> None:
