@@ -164,6 +164,12 @@ def test_an_allowed_uid_gets_its_own_data_socket_and_cannot_use_a_learned_sessio
         assert victim_digest(victim, list(range(8))) == before
         assert victim.call("state")["attached"] is True
         assert victim.call("store", numbers=[60])["status"] == [STORED]  # not taken by the stranger's try
+
+        # engine_client itself, run by that uid: registers, follows the daemon to its data socket, round-trips
+        (client,) = as_stranger(d, {"op": "client"})
+        assert client["ready"], client
+        assert client["data_target"] == f"unix://{d.socket_path}.uid{STRANGER}"
+        assert client["stored"] == [STORED] * 4 and client["loaded"] == [LOADED] * 4 and all(client["exact"])
         loaded = victim.call("load", numbers=[0, 1])
         assert loaded["status"] == [LOADED] * 2 and all(loaded["exact"])
 

@@ -16,6 +16,8 @@ JSON list of results, the first being {"uid": its uid}. Steps:
   {"op": "admin", "target": ..., "method": "Evict", "request": {...}} -> {"code", "details", "reply"}
   {"op": "read", "blocks": [0]} -> {"blocks": [hex of the own pool's block]}
   {"op": "connect", "path": "/path"} -> {"errno": name or "OK"}: can this uid open the socket at all?
+  {"op": "client"} -> {"ready", "data_target", "stored", "loaded", "exact"}: engine_client's KVClient,
+        as an engine of this uid uses it: connect, store 4 blocks, load them into other blocks
   {"op": "hold", "connects": 20} -> {"held": n}: open n connections to the registration socket and
         send nothing; prints "holding" on a line of its own and waits for a line on stdin
 """
@@ -33,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpc  # noqa: E402
 from google.protobuf import json_format  # noqa: E402
 
-from engine_client import BlockHasher, Namespace, ShmKVPool  # noqa: E402
+from engine_client import BlockHasher, KVClient, Namespace, ShmKVPool  # noqa: E402
 from engine_client.errors import KVClientError  # noqa: E402
 from engine_client.registration import register  # noqa: E402
 from kvservice.v1 import admin_pb2, admin_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc  # noqa: E402
@@ -47,6 +49,7 @@ def drop_privileges(uid: int) -> None:
     warm.close()
     warm.unlink()
     grpc.insecure_channel("unix:/nonexistent").close()
+    KVClient("/nonexistent", Namespace("m", "float32", 16, "block-contiguous"), warm).close()  # its loop thread
     json_format.MessageToDict(kvcache_pb2.RegistrationReply())
     os.setgroups([])
     os.setgid(uid)
@@ -107,6 +110,8 @@ def main() -> None:
                     out.append({"code": e.code().name, "details": e.details()})
         elif op == "read":
             out.append({"blocks": [pools[-1].read_block(b).hex() for b in step["blocks"]]})
+        elif op == "client":
+            out.append(client_round_trip(socket_path))
         elif op == "hold":
             held = []
             for _ in range(step["connects"]):
@@ -135,6 +140,27 @@ def main() -> None:
     for pool in pools:
         pool.close()
         pool.unlink()
+
+
+def client_round_trip(socket_path: str) -> dict:
+    ns = Namespace("m", "float32", 16, "block-contiguous")
+    with ShmKVPool(16, BLOCK) as pool:
+        client = KVClient(socket_path, ns, pool, client_name=f"uid_probe client uid {os.getuid()}")
+        try:
+            client.connect(required=True)
+        except KVClientError as e:
+            return {"ready": False, "code": e.code.name, "message": e.message}
+        try:
+            hashes = client.hasher.hash_blocks(list(range(64)))
+            for b in range(4):
+                pool.write_block(b, bytes([b + 1]) * BLOCK)
+            stored = [r.status for r in client.store(hashes, [0, 1, 2, 3])]
+            loaded = [r.status for r in client.load(hashes, [8, 9, 10, 11])]
+            exact = [pool.read_block(8 + b) == bytes([b + 1]) * BLOCK for b in range(4)]
+            return {"ready": True, "data_target": client._client._data_target, "stored": stored, "loaded": loaded,
+                    "exact": exact, "label": client.session_label}
+        finally:
+            client.close()
 
 
 def call(step: dict, own: str) -> dict:
