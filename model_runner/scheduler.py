@@ -76,6 +76,9 @@ class Scheduler:
         self.parked: list[Seq] = []
         self.running: list[Seq] = []
         self._stores: list[tuple[concurrent.futures.Future[Any], list[Node]]] = []  # write-through in flight
+        # Hashes of cached blocks already written through: evicting one frees its block at once, with no
+        # offload Store (a second copy of bytes the daemon has) holding the block until it returns.
+        self._written: set[BlockHash] = set()
 
     # --- sizes
     def blocks_needed(self, prompt_len: int, max_tokens: int) -> int:
@@ -346,6 +349,13 @@ class Scheduler:
 
     def _offload(self, victims: list[tuple[BlockHash, BlockId]]) -> None:
         """Store evicted blocks in the daemon; the blocks stay unusable until the bytes have left them."""
+        written = [b for h, b in victims if h in self._written]
+        if written:
+            self._written.difference_update(h for h, _ in victims)
+            self.alloc.free(written)  # the daemon has them already
+            victims = [(h, b) for h, b in victims if b not in set(written)]
+            if not victims:
+                return
         blocks = [b for _, b in victims]
         client = self.client
         if client is None or not client.attached:
@@ -387,6 +397,7 @@ class Scheduler:
             log.warning("write-through not sent: %s", err)
             return
         self.radix.acquire(part)  # no eviction (and no reuse of the block) until the bytes have left
+        self._written.update(n.hash for n in part)
         fut.add_done_callback(self._store_done(reason))
         self._stores.append((fut, part))
         seq.stored_blocks = hi
