@@ -16,11 +16,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, start_http_server
+from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -179,9 +182,34 @@ def make_registry(cache: BlockCache, loop: asyncio.AbstractEventLoop | None = No
     return registry
 
 
+class _MetricsServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002  # scrapes are not log lines
+        pass
+
+
+def _only_metrics(app):
+    """The exposition app on /metrics and nothing else: any other path is 404."""
+    def serve(environ, start_response):
+        if environ.get("PATH_INFO") != "/metrics":
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+            return [b"not found: this endpoint serves /metrics only\n"]
+        return app(environ, start_response)
+    return serve
+
+
 def start_metrics_server(address: str, registry: CollectorRegistry) -> tuple[object, threading.Thread]:
-    """Serve /metrics on address ("host:port"); returns prometheus_client's (server, thread)."""
+    """Serve /metrics (only) on address ("host:port"); returns (server, thread)."""
     host, port = parse_host_port(address)
-    server, thread = start_http_server(port, addr=host, registry=registry)
+
+    class Server(_MetricsServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    server = make_server(host, port, _only_metrics(make_wsgi_app(registry)), Server, handler_class=_QuietHandler)
+    thread = threading.Thread(target=server.serve_forever, name="kvservice-metrics", daemon=True)
+    thread.start()
     log.info("metrics: http://%s:%d/metrics", address.rpartition(":")[0], server.server_port)
     return server, thread

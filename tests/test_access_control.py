@@ -29,7 +29,7 @@ TOKEN = "access-test-token"
 STORED, LOADED = 1, 1
 
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to start a process of another uid")
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to start a process of another uid")
 
 
 def as_stranger(d: Daemon, *steps: dict) -> list[dict]:
@@ -77,6 +77,7 @@ def load_step(target: str, session: str, pairs: list[tuple[int, int]]) -> dict:
             "blocks": [[h(i).hex(), b] for i, b in pairs]}
 
 
+@needs_root
 def test_another_uid_cannot_open_a_session_reach_a_pool_over_tcp_or_use_a_learned_id(daemon):
     """Scenario: the victim engine (this uid) stores blocks 0-3. uid 65534, which the daemon does
     not serve, learns the victim's session id. It is refused at registration by the daemon
@@ -125,6 +126,7 @@ def test_another_uid_cannot_open_a_session_reach_a_pool_over_tcp_or_use_a_learne
         assert cuda["code"] == "PERMISSION_DENIED" and f"uid {STRANGER}" in cuda["message"]
 
 
+@needs_root
 def test_an_allowed_uid_gets_its_own_data_socket_and_cannot_use_a_learned_session_id(shared):
     """Scenario: uid 65534 is allowed. It opens a session of its own, served on its own data
     socket (socket_path.uid65534), and stores and loads its own blocks there. Given the victim's
@@ -174,6 +176,7 @@ def test_an_allowed_uid_gets_its_own_data_socket_and_cannot_use_a_learned_sessio
         assert loaded["status"] == [LOADED] * 2 and all(loaded["exact"])
 
 
+@needs_root
 def test_a_session_moves_bytes_only_between_the_daemon_and_memory_its_peer_passed(shared):
     """Scenario: the victim's pool holds its blocks. The stranger (another uid, same model and
     layout) registers a pool of its own, stores its blocks 0-7 and loads one back into its block 9:
@@ -211,6 +214,7 @@ def test_a_session_moves_bytes_only_between_the_daemon_and_memory_its_peer_passe
         kvcache_pb2.DESCRIPTOR.services_by_name["KVCache"].methods_by_name["OpenSession"]
 
 
+@needs_root
 def test_per_uid_session_caps_hold_while_other_uids_connect(shared):
     """Scenario: max_sessions_per_uid = 2. This uid has an engine open; uid 65534 tries to open 3
     sessions: the third is refused with RESOURCE_EXHAUSTED naming its uid and the cap, while this
@@ -233,6 +237,7 @@ def test_per_uid_session_caps_hold_while_other_uids_connect(shared):
                 c.close()
 
 
+@needs_root
 def test_idle_registration_connections_of_another_uid_do_not_block_engines(daemon):
     """Scenario: uid 65534 opens 20 connections to the registration socket and sends nothing (it
     may not even open sessions). While it holds them, an engine of this uid registers, stores and
@@ -276,6 +281,7 @@ def register_as_me(d: Daemon, canary: bytes):
                 os.close(fd)
 
 
+@needs_root
 def test_a_bogus_canary_probe_does_not_lock_a_namespace_and_the_operator_can_reset_one(shared):
     """Scenario: a probe opens the engines' namespace first with a bogus canary and stores
     nothing: the namespace is not locked, and a real engine opens and stores. A second bogus
@@ -405,3 +411,25 @@ def test_metrics_and_tcp_listen_on_loopback_unless_explicitly_allowed(tmp_path, 
     assert getattr(load_config(None, {}, {**base, setting: "127.0.0.1:9400"}), setting) == "127.0.0.1:9400"
     with pytest.raises(ConfigError, match="tcp_admin_mutations: .*needs admin_token"):
         load_config(None, {}, {**base, "tcp_address": "127.0.0.1:1", "tcp_admin_mutations": True})
+
+
+def test_metrics_endpoint_serves_metrics_and_nothing_else():
+    """Scenario: a scraper reads /metrics; any other path (/, /favicon.ico, a traversal) is 404."""
+    import urllib.error
+    import urllib.request
+
+    from prometheus_client import CollectorRegistry
+
+    from kvservice.metrics import start_metrics_server
+
+    server, _thread = start_metrics_server("127.0.0.1:0", CollectorRegistry())
+    try:
+        base = f"http://127.0.0.1:{server.server_port}"
+        assert urllib.request.urlopen(f"{base}/metrics", timeout=10).status == 200
+        for path in ("/", "/favicon.ico", "/metrics/../x", "/anything"):
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(base + path, timeout=10)
+            assert err.value.code == 404, path
+    finally:
+        server.shutdown()
+        server.server_close()
