@@ -305,8 +305,7 @@ class BlockCache:
         if fit < len(new):
             pinned, protected = t.host_blockers(now)
             if protected:  # DESIGN §5 protect-unexpired: refused admission, counted
-                why = ("the rest of it holds unexpired retained blocks that cannot spill: the disk tier is full of "
-                       "unexpired retained blocks and protect_unexpired is on")
+                why = "the rest of it holds unexpired retained blocks that cannot spill: " + t.protection_reason()
                 self.stats.bump(s.namespace, "admission_refusals", len(new) - fit)
             elif pinned:
                 why = "the rest of it is pinned by loads or prefetches in flight"

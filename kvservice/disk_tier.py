@@ -58,6 +58,19 @@ class DiskTier:
         self.queued[id(entry)] = entry
         self.commit(entry)
 
+    def adopt_many(self, entries: Sequence[Entry]) -> None:
+        """Complete blocks found at restart, oldest first: adopt() for each, in one pass."""
+        unmarked = []
+        for e in entries:
+            self.used_bytes += e.size
+            e.disk = DiskState.ON_DISK
+            if e.deadline > 0:
+                self.retained[id(e)] = e
+            else:
+                unmarked.append(e)
+        self._on_disk += len(entries)
+        self.unmarked.append_newest(unmarked)
+
     def commit(self, entry: Entry) -> None:
         del self.queued[id(entry)]
         entry.disk = DiskState.ON_DISK

@@ -32,6 +32,7 @@ class Entry:
     spill_buf: torch.Tensor | None = None  # bytes held by the write queue (left host accounting)
     disk: DiskState = DiskState.NONE
     disk_path: str = ""
+    disk_loc: int = -1  # disk tier v2 (segments): the block's segment slot, kvservice.disk.make_loc
     disk_deadline: float = 0.0  # deadline written in the disk header
     pins: int = 0  # copies or reads in flight that need the bytes to stay
     lease_until: float = 0.0  # prefetch lease: evictable again after this

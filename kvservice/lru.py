@@ -23,6 +23,10 @@ class ChainLRU:
             self._order[e.key] = e
             self._order.move_to_end(e.key)
 
+    def append_newest(self, entries: Sequence[Entry]) -> None:
+        """Add entries not yet in the order, oldest first, as the most recent (restart, in one pass)."""
+        self._order.update((e.key, e) for e in entries)
+
     def discard(self, entry: Entry) -> None:
         self._order.pop(entry.key, None)
 

@@ -8,19 +8,25 @@ Primitives (all state changes happen on the event loop thread; bytes move in thr
   remove(entry)                           forget a block everywhere (admin evict, corruption)
   persist_deadline(entry)                 rewrite a disk header after its deadline moved
   recover()                               rebuild the disk index from block files at start
+                                          (disk_format "segments": from kvservice.disk's metadata)
   drain() / stop()                        finish queued spills (SIGTERM)
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import gc
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from kvservice import block_file
 from kvservice.config import Config
+from kvservice.disk import FaultKind
+from kvservice.disk.tier_io import BlockWrite, TierIO, remove_v1_blocks
 from kvservice.disk_tier import DiskTier
 from kvservice.eviction import Victim, admission_gate, plan_disk_eviction
 from kvservice.host_tier import HostTier
@@ -43,6 +49,8 @@ class Tiers:
         self.index = BlockIndex()
         self.host = HostTier(config.host_capacity_bytes)
         self.disk = DiskTier(config.disk_path, config.disk_capacity_bytes) if config.has_disk else None
+        self.segments: TierIO | None = None  # disk tier v2 (disk_format "segments"), opened by recover()
+        self._writing: set[int] = set()  # segment slots with a write in flight
         self.retention = Retention(config.max_ttl_seconds, config.retained_cap_bytes)
         self.gate = admission_gate(config)
         self.reader_pool = ThreadPoolExecutor(config.reader_threads, thread_name_prefix="kv-read")
@@ -72,6 +80,8 @@ class Tiers:
                 continue
             self._apply_disk_plan(plan)
             self.disk.reserve(e)
+            if not self._reserve_slot(e, now):
+                continue
             e.spill_buf = e.host_buf
             jobs.append(e)
         for e in jobs:
@@ -87,6 +97,8 @@ class Tiers:
 
     async def stop(self) -> None:
         await self.writes.stop()
+        if self.segments is not None:
+            await asyncio.get_running_loop().run_in_executor(self.writer_pool, self.segments.close)
         self.reader_pool.shutdown(wait=True)
         self.writer_pool.shutdown(wait=True)
 
@@ -94,6 +106,8 @@ class Tiers:
         """Index every complete block file; torn and corrupt ones were removed by the scan."""
         if self.disk is None:
             return 0
+        if self.config.disk_format == "segments":
+            return await self._recover_segments()
         loop = asyncio.get_running_loop()
         result = await loop.run_in_executor(self.reader_pool, block_file.scan, self.disk.root)
         now = self.now()
@@ -111,6 +125,70 @@ class Tiers:
         log.info("disk tier recovered %d blocks (%d torn, %d corrupt removed)",
                  len(result.blocks), result.torn_removed, result.corrupt_removed)
         return len(result.blocks)
+
+    async def _recover_segments(self) -> int:
+        """Disk tier v2: open the store (its metadata says what is on disk, checked and with
+        deadlines clamped to max_ttl) and index every block, oldest first."""
+        assert self.disk is not None
+        c, loop = self.config, asyncio.get_running_loop()
+        v1 = await loop.run_in_executor(self.reader_pool, remove_v1_blocks, c.disk_path)
+        if v1:
+            log.warning("disk tier: removed %d block files of the one-file-per-block format (disk_format is segments)", v1)
+        self.segments = await loop.run_in_executor(self.reader_pool, functools.partial(
+            TierIO.open, c.disk_path, c.disk_capacity_bytes, max_ttl_seconds=c.max_ttl_seconds,
+            writers=self.writer_pool, readers=self.reader_pool, now=self.now, durable=self.io.fsync,
+            read_bytes_per_second=c.disk_read_bytes_per_second, write_bytes_per_second=c.disk_write_bytes_per_second))
+        store = self.segments.store
+        # the policy's byte budget: what is left after the metadata's fixed part (its per-slot
+        # part is met by evicting a little more when the store asks for it, _reserve_slot)
+        self.disk.capacity_bytes = max(0, store.capacity_bytes - store.metadata_fixed_bytes)
+        rec = store.recovered
+        rows = rec.rows.rec[np.argsort(rec.rows.rec["stored_at"], kind="stable")]  # oldest first
+        cols = [rows[f].tolist() for f in ("loc", "ns", "hash", "length", "crc", "deadline", "stored_at", "reuse")]
+        names = rec.names
+        gc_was_on = gc.isenabled()
+        gc.disable()  # millions of new objects: generational passes over them would cost more than building them
+        try:
+            keys = [BlockKey(names[ns], hsh) for ns, hsh in zip(cols[1], cols[2])]
+            entries = [Entry(key, length, crc, stored, deadline=dl, reuse=reuse, disk_loc=loc, disk_deadline=dl)
+                       for key, loc, length, crc, dl, stored, reuse in zip(keys, cols[0], *cols[3:])]
+            self.index.entries.update(zip(keys, entries))
+            for e in entries:
+                if e.deadline > 0:
+                    self.retention.track(e)
+            self.disk.adopt_many(entries)
+        finally:
+            if gc_was_on:
+                gc.freeze()  # long-lived: keep them out of every later collection
+                gc.enable()
+        log.info("disk tier (segments, %s): recovered %d blocks (%d bad rows, %d duplicates dropped, %d deadlines "
+                 "clamped, %d orphan segments removed, %d unsafe files refused)", self.segments.name, len(rec),
+                 rec.dropped_rows, rec.duplicate_rows, rec.clamped_deadlines, rec.orphans_removed, len(rec.unsafe_files))
+        for u in rec.unsafe_files:
+            log.warning("disk tier: refused %s", u)
+        return len(rec)
+
+    def _reserve_slot(self, e: Entry, now: float) -> bool:
+        """Disk tier v2: a segment slot for e's spill, after the plan made byte room. The store may
+        still say no (its metadata's per-slot share, a full or read-only filesystem): evict a few
+        more disk victims; if that does not help, undo e's disk reservation, count a refusal."""
+        if self.segments is None:
+            return True
+        for _ in range(8):
+            loc = self.segments.reserve(e.size)
+            if loc is not None:
+                e.disk_loc = loc
+                return True
+            if self.segments.store.readonly:
+                break
+            plan = plan_disk_eviction(self.disk, self.disk.free_bytes + 1, now, self.config.protect_unexpired)
+            if not plan:
+                break
+            self._apply_disk_plan(plan)
+        self.disk.unreserve(e)
+        self.stats.bump(e.namespace, "admission_refusals")
+        log.warning("disk tier refused a spill of %s: %s", e.key.hash.hex()[:16], self.segments.store.refusal())
+        return False
 
     # --- host tier
     def make_host_room(self, nbytes: int, now: float) -> list[Entry] | None:
@@ -182,7 +260,7 @@ class Tiers:
     def _host_candidates(self, now: float):
         """Host entries that may be evicted, oldest first. Under protect-unexpired, an unexpired
         retained block the disk could not admit is not one: evicting it could only drop it."""
-        protect = self.disk is not None and self.config.protect_unexpired
+        protect = self.disk is not None and (self.config.protect_unexpired or self._disk_unwritable())
         room = self._disk_room(now) if protect else 0
         for e in self.host.entries_oldest_first():
             if e.pinned(now):
@@ -196,7 +274,7 @@ class Tiers:
     def host_blockers(self, now: float) -> tuple[int, int]:
         """(pinned, protected) bytes of host blocks make_host_room may not evict now: pinned by
         copies, reads or leases, or unexpired retained ones the disk cannot admit (protect-unexpired)."""
-        protect = self.disk is not None and self.config.protect_unexpired
+        protect = self.disk is not None and (self.config.protect_unexpired or self._disk_unwritable())
         room = self._disk_room(now) if protect else 0
         pinned = protected = 0
         for e in self.host.entries_oldest_first():
@@ -212,8 +290,23 @@ class Tiers:
     def _disk_room(self, now: float) -> int:
         """Disk bytes a spill could get without evicting an unexpired retained block."""
         assert self.disk is not None
+        if self._disk_unwritable():
+            return 0
         room = self.disk.free_bytes + sum(e.size for e in self.disk.unmarked.values() if not e.pinned(now))
         return room + sum(e.size for e in self.disk.retained.values() if e.deadline <= now and not e.pinned(now))
+
+    def protection_reason(self) -> str:
+        """Why unexpired retained host blocks cannot spill now (for a refused Store's message)."""
+        if self._disk_unwritable():
+            assert self.segments is not None
+            return f"the disk tier cannot be written: {self.segments.store.refusal()}"
+        return "the disk tier is full of unexpired retained blocks and protect_unexpired is on"
+
+    def _disk_unwritable(self) -> bool:
+        """Disk tier v2 on a read-only filesystem (at open, or its last spill said EROFS): retained
+        blocks must stay in host memory."""
+        store = self.segments.store if self.segments is not None else None
+        return store is not None and (store.readonly or store.read_only_fault is not None)
 
     def _evict_from_host(self, e: Entry, now: float) -> bool:
         """Take e out of host memory; True when it was given disk room and must be spilled."""
@@ -236,6 +329,9 @@ class Tiers:
             return False
         self._apply_disk_plan(plan)
         self.disk.reserve(e)
+        if not self._reserve_slot(e, now):
+            self._forget(e)
+            return False
         e.spill_buf = buf
         return True
 
@@ -279,6 +375,8 @@ class Tiers:
         if self.index.get_any(e.key) is not e or e.disk != DiskState.QUEUED:  # evicted while queued
             self._abandon_spill(e)
             return
+        if self.segments is not None:
+            return await self._write_segment(e)
         meta = self._meta(e)
         loop = asyncio.get_running_loop()
         try:
@@ -301,10 +399,57 @@ class Tiers:
         if e.deadline != e.disk_deadline:
             await self.persist_deadline(e)
 
+    async def _write_segment(self, e: Entry) -> None:
+        """Disk tier v2: one spill, batched with the other writers' by TierIO; data, then metadata."""
+        assert self.disk is not None and self.segments is not None
+        loc = e.disk_loc
+        block = BlockWrite(e.namespace, e.key.hash, e.checksum, e.deadline, e.stored_at, e.reuse)
+        self._writing.add(loc)
+        try:
+            fault = await self.segments.write(loc, block, e.spill_buf)
+        finally:
+            self._writing.discard(loc)
+        if fault is not None:  # the store gave the slot back
+            e.disk_loc = -1
+            self.stats.bump(e.namespace, "io_errors")
+            log.warning("spill of %s failed (%s): %s", e.key.hash.hex()[:16], fault.kind.value, fault.message)
+            self._spill_failed(e)
+            return
+        if self.index.get_any(e.key) is not e or e.disk != DiskState.QUEUED:  # evicted while written
+            self.segments.free(loc)
+            e.disk_loc = -1
+            self._abandon_spill(e)
+            return
+        e.spill_buf = None
+        e.disk_deadline = block.deadline
+        self.disk.commit(e)
+        self.stats.bump(e.namespace, "spills")
+        if e.deadline != e.disk_deadline:
+            await self.persist_deadline(e)
+
+    def _spill_failed(self, e: Entry) -> None:
+        """A retained block whose spill failed goes back to the host tier when it fits there,
+        instead of vanishing; anything else is dropped as before."""
+        buf = e.spill_buf
+        if (buf is not None and e.host_buf is None and e.retained(self.now()) and self.index.get_any(e.key) is e
+                and self.host.free_bytes >= e.size):
+            self.disk.unreserve(e)
+            e.spill_buf = None
+            self.host.add([e], [buf])
+            return
+        if buf is not None and e.retained(self.now()):
+            log.error("retained block %s lost: its spill failed and the host tier has no room for it",
+                      e.key.hash.hex()[:16])
+        self._abandon_spill(e)
+
     def _abandon_spill(self, e: Entry) -> None:
         """Give back the disk room of a spill that will not be written; drop the block if
         nothing else holds its bytes. Idempotent: the writer may find it abandoned already."""
         assert self.disk is not None
+        if self.segments is not None and e.disk_loc >= 0 and e.disk == DiskState.QUEUED:
+            if e.disk_loc not in self._writing:  # a write in flight settles its own slot
+                self.segments.cancel(e.disk_loc)
+                e.disk_loc = -1
         self.disk.unreserve(e)
         e.spill_buf = None
         if e.host_buf is None:
@@ -323,8 +468,13 @@ class Tiers:
         path = e.disk_path
         self.disk.release(e)
         e.disk_path = ""
-        # unlink now, on the loop thread: a later spill of the same key reuses this path
-        self.io.remove(path)
+        if self.segments is not None:
+            if e.disk_loc >= 0:
+                self.segments.free(e.disk_loc)
+            e.disk_loc = -1
+        else:
+            # unlink now, on the loop thread: a later spill of the same key reuses this path
+            self.io.remove(path)
         if e.host_buf is None and e.spill_buf is None:
             self._forget(e)
 
@@ -334,6 +484,8 @@ class Tiers:
         Raises BlockIOError after discarding the block and counting the failure."""
         loop = asyncio.get_running_loop()
         out = torch.empty(e.size, dtype=torch.uint8) if out is None else out
+        if self.segments is not None:
+            return await self._read_segment(e, out)
         self.reads_in_flight += 1
         try:
             await loop.run_in_executor(self.reader_pool, block_file.read_payload, self.io, e.disk_path, self._meta(e), out)
@@ -348,9 +500,30 @@ class Tiers:
             self.reads_in_flight -= 1
         return out
 
+    async def _read_segment(self, e: Entry, out: torch.Tensor) -> torch.Tensor:
+        """Disk tier v2: read e's slot (batched with the other reads of this turn), CRC-verified."""
+        assert self.segments is not None
+        self.reads_in_flight += 1
+        try:
+            fault = await self.segments.read(e.disk_loc, out)
+        finally:
+            self.reads_in_flight -= 1
+        if fault is not None:
+            bad_bytes = fault.kind in (FaultKind.CHECKSUM, FaultKind.WRONG_SIZE)
+            self.stats.bump(e.namespace, "checksum_failures" if bad_bytes else "io_errors")
+            log.warning("disk block %s discarded: %s", e.key.hash.hex()[:16], fault.message)
+            if e.disk == DiskState.ON_DISK:
+                self._drop_disk_copy(e)
+            raise BlockIOError(fault.message)
+        return out
+
     async def persist_deadline(self, e: Entry) -> None:
         """Rewrite the header so the deadline survives a restart."""
         if e.disk != DiskState.ON_DISK or e.disk_deadline == e.deadline:
+            return
+        if self.segments is not None:  # a metadata update, committed in the background
+            self.segments.set_deadline(e.disk_loc, e.deadline)
+            e.disk_deadline = e.deadline
             return
         meta = self._meta(e)
         e.disk_deadline = meta.deadline

@@ -126,12 +126,18 @@ class DiskStore:
         self._seq = 0
         self._flushing = False
         self.faults: Counter[str] = Counter()
+        self.read_only_fault: DiskFault | None = None  # the last write found the filesystem read-only
         _prepare_root(root)
         self._meta = Metadata(root, durable=durable, wal_limit=self._wal_limit)
         self.readonly = self._meta.readonly
         self.recovered = self._open_segments_and_rows()
 
     # --- accounting
+    @property
+    def metadata_fixed_bytes(self) -> int:
+        """The metadata reserve that does not depend on the number of slots (WAL, schema)."""
+        return self._meta_fixed
+
     def _meta_reserve(self, total_slots: int) -> int:
         return self._meta_fixed + total_slots * META_PER_SLOT
 
@@ -276,6 +282,8 @@ class DiskStore:
         """Why reserve() places nothing, for the message of a refused block."""
         if self.readonly:
             return f"disk tier at {self.root} is on a read-only filesystem: nothing can be written"
+        if self.read_only_fault is not None:
+            return f"disk tier at {self.root}: the filesystem turned read-only ({self.read_only_fault.message})"
         if self._ceiling < self.capacity_bytes:
             return (f"disk tier at {self.root} is full: the filesystem ran out of space (ENOSPC) before "
                     f"the configured capacity of {self.capacity_bytes} bytes")
@@ -362,6 +370,11 @@ class DiskStore:
                 if faults[i] is not None:
                     self._alloc.release([locs[i]])
                     self.faults[faults[i].kind.value] += 1  # type: ignore[union-attr]
+            ro = [f for f in faults if f is not None and f.kind == FaultKind.READ_ONLY]
+            if ro:
+                self.read_only_fault = ro[0]
+            elif any(f is None for f in faults):
+                self.read_only_fault = None
         return faults
 
     def _slot_bytes_of(self, loc: int) -> int:
@@ -397,9 +410,9 @@ class DiskStore:
                     with self._lock:
                         self._failed_segments[seg.id] = fault
                         self._alloc.drop(seg.id)
-                        if fault.kind == FaultKind.NO_SPACE:  # the filesystem is smaller than the setting
+                        if fault.kind == FaultKind.NO_SPACE:  # the filesystem has less room than the setting
                             self._ceiling = min(self._ceiling, self._alloc.segment_bytes
-                                                + self._meta_reserve(self._alloc.total_slots))
+                                                + self._meta_reserve(self._alloc.total_slots) + _free_space(self.root))
                     continue
                 with self._lock:
                     self._files[seg.id] = f
@@ -548,11 +561,17 @@ class DiskStore:
                 self._flushing = False
 
     def set_deadline(self, loc: int, deadline: float) -> None:
+        """Persisted by a commit that starts at once in the background."""
         with self._lock:
             sid, slot = split_loc(loc)
             length = self._length.get(sid)
-            if length is not None and length[slot]:
-                self._deadlines[loc] = float(deadline)
+            if length is None or not length[slot]:
+                return
+            self._deadlines[loc] = float(deadline)
+            kick = not self._flushing and not self.readonly
+            self._flushing = self._flushing or kick
+        if kick:
+            self._pool.submit(self._background_flush)
 
     def flush(self) -> None:
         """Commit what is queued (deletes, deadlines, segment rows). Raises MetadataError."""
@@ -560,10 +579,11 @@ class DiskStore:
             return
         with self._db_lock:
             while True:
-                self._commit_locked()
                 with self._lock:
-                    if not self._deletes:
-                        return
+                    idle = not (self._deletes or self._deadlines or self._seg_add or self._seg_del)
+                if idle:
+                    return
+                self._commit_locked()
 
     def close(self) -> None:
         try:
@@ -589,6 +609,15 @@ def _prepare_root(root: str) -> None:
         raise UnsafeFileError(errnos.ENOTDIR, "the disk path is not a directory (a symlink is refused)", root)
     if st.st_uid != os.geteuid():
         raise UnsafeFileError(errnos.EPERM, f"the disk path is owned by uid {st.st_uid}, not this daemon", root)
+
+
+def _free_space(root: str) -> int:
+    """What the filesystem still gives us, less a margin for the metadata's growth."""
+    try:
+        st = os.statvfs(root)
+    except OSError:
+        return 0
+    return max(0, st.f_bavail * st.f_frsize - (512 << 10))
 
 
 def _remove_planted(path: str) -> None:
