@@ -11,14 +11,12 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import queue
 import random
 import shutil
 import signal
 import string
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -29,6 +27,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from harness.runner import ModelRunner
 from model_runner.openai_protocol import (
     IncrementalText,
     RequestError,
@@ -37,7 +36,7 @@ from model_runner.openai_protocol import (
     parse_completion,
 )
 from model_runner.tokenizer import ByteTokenizer
-from tests.daemon_kit import Daemon, short_tmpdir
+from tests.daemon_kit import Daemon
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK_TOKENS = 16  # a tiny block holds 8 KiB of KV (float32)
@@ -57,49 +56,13 @@ def text_prompt(n_chars: int, salt: int) -> str:
     return "".join(rng.choice(string.ascii_lowercase) for _ in range(n_chars))
 
 
-class Runner:
-    """A `python -m model_runner` subprocess; the constructor returns once it prints its listening line."""
+class Runner(ModelRunner):
+    """A `python -m model_runner` subprocess (harness.runner) of the tiny preset; the constructor returns
+    once it prints its listening line."""
 
     def __init__(self, service: str, *args: str, timeout: float = 60.0) -> None:
-        self.dir = short_tmpdir("mr")
-        self.log_path = self.dir / "runner.log"
-        log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "model_runner", "--service", service, "--model", "tiny", "--port", "0", *args],
-            stdout=subprocess.PIPE, stderr=log, text=True, cwd=str(ROOT),
-            env={**os.environ, "PYTHONPATH": str(ROOT)})
-        log.close()
-        lines: queue.Queue[str] = queue.Queue()
-
-        def pump() -> None:  # a thread, so that waiting for the line can time out
-            for line in self.proc.stdout:
-                lines.put(line)
-
-        threading.Thread(target=pump, daemon=True).start()
-        try:
-            line = lines.get(timeout=timeout)
-        except queue.Empty:
-            self.proc.kill()
-            raise TimeoutError(f"model-runner not listening after {timeout}s:\n{self.log()}") from None
-        prefix = "model-runner listening on "
-        assert line.startswith(prefix), f"unexpected first line {line!r}:\n{self.log()}"
-        self.url = line[len(prefix):].strip()
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def request(self, method: str, path: str, body: bytes | None = None,
-                headers: dict[str, str] | None = None, timeout: float = 60.0) -> tuple[int, dict, bytes]:
-        req = urllib.request.Request(self.url + path, data=body, method=method, headers=headers or {})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return r.status, dict(r.headers), r.read()
-        except urllib.error.HTTPError as e:
-            return e.code, dict(e.headers), e.read()
+        super().__init__(["--service", service, "--model", "tiny", *args])
+        self.wait_ready(timeout)
 
     def post(self, body: dict | bytes, timeout: float = 60.0) -> tuple[int, dict]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -107,7 +70,7 @@ class Runner:
                                       timeout)
         return status, json.loads(raw)
 
-    def complete(self, **body) -> dict:
+    def complete(self, **body) -> dict:  # type: ignore[override]  # the whole body, not (prompt, max_tokens)
         status, reply = self.post(body)
         assert status == 200, reply
         return reply
