@@ -1,5 +1,5 @@
 """Summaries, targets and results.md of the end-to-end benchmark: pure functions of the results
-dict (results.md can be rebuilt from a results.json: python -m e2e.report RESULTS.json)."""
+dict (results.md can be rebuilt from a results.json: cd bench && python -m e2e.report RESULTS.json)."""
 
 from __future__ import annotations
 
