@@ -17,9 +17,17 @@ Parts (each prints a table; --parts picks some):
            CRC32C verified by the store) into a second arena, then compared byte for byte.
            Best of --repeats runs (the same treatment as the limit). Ratios: spill / raw write
            limit, cold read / raw read limit.
+  daemon   through a real daemon as an engine sees it (KVClient; --pool shm on a CPU host, cuda on
+           a GPU host): per block size and --formats (segments, and files for comparison), a host
+           tier of one batch, --total bytes stored so all but the last batch spill (sustained:
+           timed until Stats shows every spill done, plus sync()); then the page cache is dropped
+           and every spilled block is loaded back from disk into other pool blocks and compared.
+           Ratios against the raw limits of the same run.
   restart  --restart-blocks blocks of 4 KiB, each filled with its own index pattern, written and
            closed; page cache dropped; the time to reopen (DiskStore(...) = metadata load and every
-           check) is the restart figure; then every block is read back and checked byte-exact.
+           check) is the store's restart figure; every block is read back and checked byte-exact;
+           then a daemon (--disk-format segments) starts on the same directory: the time until it
+           answers grpc.health SERVING with all blocks indexed is the daemon's restart figure.
 
 On a GPU host, the daemon-level figure (cold disk -> engine GPU through KVClient) comes from
 bench/gpu_bandwidth.py once the daemon runs on this store; this script gives the limit and the
@@ -204,7 +212,86 @@ def _pattern(i: int, block: int) -> np.ndarray:
     return np.arange(i * words, (i + 1) * words, dtype=np.uint64).view(np.uint8)
 
 
-def restart_case(directory: Path, blocks: int, block: int = 4 * KiB, batch: int = 4096) -> dict:
+def daemon_case(directory: Path, fmt: str, block: int, total: int, batch_bytes: int, pool_kind: str,
+                threads: int) -> dict:
+    import torch
+
+    from engine_client import KVClient, Namespace
+    from harness.daemon import Daemon
+
+    n = total // block
+    per_batch = max(1, batch_bytes // block)
+    disk_dir = directory / f"daemon-{fmt}-{block}"
+    if pool_kind == "cuda":
+        from engine_client import CudaKVPool
+        pool = CudaKVPool(2 * n, block)
+    else:
+        from engine_client import ShmKVPool
+        pool = ShmKVPool(2 * n, block)
+    gen = torch.Generator(device=pool.buffer.device).manual_seed(block)
+    pool.buffer[: n * block].copy_(torch.randint(0, 256, (n * block,), dtype=torch.uint8,
+                                                 device=pool.buffer.device, generator=gen))
+    d = Daemon(directory / f"d-{fmt}-{block}", host_capacity=per_batch * block,
+               disk_capacity=int(total * 1.1) + 64 * MiB, disk_path=str(disk_dir), io_backend="auto",
+               lease_seconds=None, log_level="warning",
+               extra=["--disk-format", fmt, "--max-batch-blocks", "65536", "--reader-threads", str(threads),
+                      "--writer-threads", str(threads), "--write-queue-depth", "1024"])
+    try:
+        d.start(timeout=120)
+        client = KVClient(d.target, Namespace("bench-disk", "uint8", 16, "block-contiguous"), pool,
+                          client_name="bench/disk_tier.py", timeout=600.0)
+        client.connect(required=True)
+        hashes = [os.urandom(32) for _ in range(n)]
+        spills0 = d.stats().counters.spills
+        t0 = time.perf_counter()
+        for lo in range(0, n, per_batch):
+            hi = min(n, lo + per_batch)
+            res = client.store(hashes[lo:hi], list(range(lo, hi)))
+            assert all(r.status == 1 for r in res), res[0]
+        spilled = n - per_batch
+        while True:
+            s = d.stats()
+            if s.counters.spills - spills0 >= spilled and s.write_queue_depth == 0 and s.writes_in_progress == 0:
+                break
+            time.sleep(0.002)
+        os.sync()
+        spill_s = time.perf_counter() - t0
+        cache = drop_caches()
+        t0 = time.perf_counter()
+        for lo in range(0, spilled, per_batch):
+            hi = min(spilled, lo + per_batch)
+            res = client.load(hashes[lo:hi], list(range(n + lo, n + hi)))
+            assert all(r.status == 1 and r.tier == 3 for r in res), res[0]
+        load_s = time.perf_counter() - t0
+        exact = bool(torch.equal(pool.buffer[: spilled * block], pool.buffer[n * block: (n + spilled) * block]))
+        files = sum(f.stat().st_size for f in disk_dir.rglob("*") if f.is_file())
+        client.close()
+        return {"format": fmt, "block": block, "blocks": spilled, "spill_gbps": spilled * block / spill_s / 1e9,
+                "load_gbps": spilled * block / load_s / 1e9, "exact": exact, "cache": cache, "pool": pool_kind,
+                "files_bytes": files, "capacity": int(total * 1.1) + 64 * MiB}
+    finally:
+        d.close()
+        pool.close()
+        if hasattr(pool, "unlink"):
+            pool.unlink()
+        shutil.rmtree(disk_dir, ignore_errors=True)
+
+
+def daemon_restart(root: Path, capacity: int, blocks: int) -> dict:
+    from harness.daemon import Daemon
+
+    drop_caches()
+    d = Daemon(root.parent / "restart-daemon", host_capacity="64MiB", disk_capacity=capacity, disk_path=str(root),
+               io_backend="auto", lease_seconds=None, log_level="warning", extra=["--disk-format", "segments"])
+    try:
+        d.start(timeout=300)
+        indexed = {t.name: t.blocks for t in d.stats().tiers}["disk"]
+        return {"serving_s": d.start_seconds, "indexed": indexed}
+    finally:
+        d.close()
+
+
+def restart_case(directory: Path, blocks: int, block: int = 4 * KiB, batch: int = 4096, daemon: bool = True) -> dict:
     root = directory / "restart"
     shutil.rmtree(root, ignore_errors=True)
     capacity = blocks * (block + 512) + 256 * MiB
@@ -246,10 +333,13 @@ def restart_case(directory: Path, blocks: int, block: int = 4 * KiB, batch: int 
                          or not np.array_equal(outs[j], _pattern(int(idx[sel[j]]), block)))
     verify_s = time.perf_counter() - t0
     store.close()
+    out = {"blocks": blocks, "block": block, "found": len(rec), "fill_s": fill_s, "open_s": open_s,
+           "verify_s": verify_s, "wrong_blocks": wrong, "files_bytes": files, "capacity": capacity,
+           "cache": cache, "load_average": os.getloadavg()[0]}
+    if daemon:
+        out["daemon"] = daemon_restart(root, capacity, blocks)
     shutil.rmtree(root, ignore_errors=True)
-    return {"blocks": blocks, "block": block, "found": len(rec), "fill_s": fill_s, "open_s": open_s,
-            "verify_s": verify_s, "wrong_blocks": wrong, "files_bytes": files, "capacity": capacity,
-            "cache": cache}
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -272,7 +362,7 @@ def machine(directory: Path) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", required=True, help="a directory on the disk under test (a scratch subdirectory is used)")
-    p.add_argument("--parts", default="raw,store,restart")
+    p.add_argument("--parts", default="raw,store,daemon,restart")
     p.add_argument("--quick", action="store_true", help="small sizes (CI smoke run)")
     p.add_argument("--raw-bytes", default="1GiB", help="bytes moved per raw configuration")
     p.add_argument("--repeats", type=int, default=2, help="store runs per block size; the best is reported")
@@ -284,6 +374,8 @@ def main() -> int:
     p.add_argument("--io-threads", type=int, default=16, help="DiskStore's own request threads")
     p.add_argument("--segment-bytes", default="256MiB")
     p.add_argument("--restart-blocks", type=int, default=1_000_000)
+    p.add_argument("--formats", default="segments,files", help="daemon part: disk formats to run")
+    p.add_argument("--pool", choices=("shm", "cuda"), default="shm", help="daemon part: the engine's pool")
     p.add_argument("--out", default="")
     a = p.parse_args()
     if a.quick:
@@ -310,6 +402,10 @@ def main() -> int:
                 best["byte_exact"] = all(r["byte_exact"] for r in runs)
                 best["runs"] = runs
                 result["store"].append(best)
+        if "daemon" in parts:
+            result["daemon"] = [daemon_case(work, fmt, parse_size(b), parse_size(a.total), parse_size(a.batch_bytes),
+                                            a.pool, a.readers)
+                                for b in a.block_sizes.split(",") for fmt in a.formats.split(",")]
         if "raw" in parts:
             raws.append(raw_sweep(work, parse_size(a.raw_bytes)))
             result["raw"] = raws
@@ -339,6 +435,17 @@ def main() -> int:
                 print(f"| {fmt(r['block'])} | {r['blocks']} | {r['spill_gbps']:.2f} | {wr} | {r['read_gbps']:.2f} | "
                       f"{rd} | {r['open_s']:.3f} | {r['byte_exact']} | {r['direct']} |")
             print(f"\npage cache before the reads: {result['store'][0]['cache']}\n")
+        if "daemon" in parts:
+            lim = result.get("limit", {})
+            print(f"## through the daemon ({a.pool} pool; spill sustained incl. sync; load from a cold disk, bytes compared)\n")
+            print("| format | block | blocks | spill GB/s | x raw write | disk load GB/s | x raw read | exact | files / capacity |")
+            print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+            for r in result["daemon"]:
+                wr = f"{r['spill_gbps'] / lim['write']:.2f}" if lim else "-"
+                rd = f"{r['load_gbps'] / lim['read']:.2f}" if lim else "-"
+                print(f"| {r['format']} | {fmt(r['block'])} | {r['blocks']} | {r['spill_gbps']:.2f} | {wr} | "
+                      f"{r['load_gbps']:.2f} | {rd} | {r['exact']} | {r['files_bytes'] / r['capacity']:.3f} |")
+            print()
         if "restart" in parts:
             r = result["restart"] = restart_case(work, a.restart_blocks)
             print("## restart\n")
@@ -346,7 +453,11 @@ def main() -> int:
             print("| --- | --- | --- | --- | --- | --- | --- | --- |")
             print(f"| {r['blocks']} | {fmt(r['block'])} | {r['fill_s']:.1f} | {r['open_s']:.2f} | {r['found']} | "
                   f"{r['verify_s']:.1f} | {r['wrong_blocks']} | {r['files_bytes'] / r['capacity']:.3f} |")
-            print(f"\npage cache before reopen: {r['cache']}\n")
+            print(f"\npage cache before reopen: {r['cache']}; 1-min load average {r['load_average']:.1f}")
+            if "daemon" in r:
+                print(f"daemon (--disk-format segments) on the same directory: grpc.health SERVING after "
+                      f"{r['daemon']['serving_s']:.1f} s with {r['daemon']['indexed']} blocks indexed "
+                      "(process start, imports and index build included)\n")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if a.out:

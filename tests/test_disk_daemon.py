@@ -243,3 +243,21 @@ async def test_a_disk_gone_read_only_keeps_retained_blocks_in_host_memory(monkey
         pool.close()
         pool.unlink()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_a_full_disk_tier_keeps_its_files_within_the_capacity():
+    """Scenario: 640 blocks (2.5 MiB) go through a daemon whose disk tier has 1 MiB: the disk
+    fills and evicts in its usual order; at the end, every file under the disk path - segment
+    files, the SQLite database and WAL, the namespace canary - sums to at most 1 MiB, and the
+    newest blocks still load exactly."""
+    with Daemon(host_capacity="64KiB", disk_capacity="1MiB", extra=SEGMENTS) as d:
+        with EngineProc(d.target, "--blocks", "128") as eng:
+            assert set(store_all(eng, 640, ttl_every=10**6).values()) == {STORED}
+            wait_until(lambda: settled(d), what="writes")
+            c = d.stats().counters
+            assert c.spills > 100 and c.disk_evictions_unmarked > 0
+            size, alloc = files_bytes(Path(d.disk_path))
+            assert size <= 1 << 20 and alloc <= 1 << 20, (size, alloc)
+            r = eng.call("load", numbers=list(range(600, 632)))
+            assert r["status"] == [LOADED] * 32 and all(r["exact"])
+        assert "Traceback" not in d.log()

@@ -39,7 +39,7 @@ from kvservice.checksum import Buffer, byte_view, checksum
 from kvservice.disk import batch_io
 from kvservice.disk.metadata import REC, Metadata, MetadataError, Rows
 from kvservice.disk.recovery import Recovered, check_rows
-from kvservice.disk.segment import NAME_RE, SegmentFile, UnsafeFileError, segment_name, write_all, read_all
+from kvservice.disk.segment import NAME_RE, SegmentFile, UnsafeFileError, segment_name
 from kvservice.disk.slots import SlotAllocator, make_loc, slot_class, split_loc
 from kvservice.io_backend import ShortReadError, ShortWriteError
 from kvservice.types import HASH_BYTES
@@ -97,7 +97,9 @@ def fault_of(e: BaseException, what: str) -> DiskFault:
 class DiskStore:
     def __init__(self, root: str, capacity_bytes: int, *, max_ttl_seconds: float = 7 * 24 * 3600.0,
                  now: Callable[[], float] = time.time, segment_bytes: int = 256 << 20, io_threads: int = 8,
-                 max_request_bytes: int = 16 << 20, direct: bool = True, durable: bool = False) -> None:
+                 max_request_bytes: int = 16 << 20, direct: bool = True, durable: bool = False,
+                 other_bytes: int = 0) -> None:
+        """other_bytes: room kept for files others put under root (the daemon's namespace canaries)."""
         self.root = root
         self.capacity_bytes = capacity_bytes
         self.max_ttl = max_ttl_seconds
@@ -105,8 +107,9 @@ class DiskStore:
         self._direct = direct
         self._durable = durable
         self.max_request = max_request_bytes
+        self.io_threads = io_threads
         self._wal_limit = min(4 << 20, max(64 << 10, capacity_bytes // 256))
-        self._meta_fixed = 3 * self._wal_limit + (256 << 10)  # WAL, -shm, schema pages
+        self._meta_fixed = 3 * self._wal_limit + (256 << 10) + other_bytes  # WAL, -shm, schema pages, others
         self._ceiling = capacity_bytes  # lowered when the filesystem says ENOSPC first
         self._lock = threading.Lock()
         self._db_lock = threading.Lock()
@@ -352,8 +355,8 @@ class DiskStore:
             self._busy.update(segs)
             files = {s: self._files[s] for s in segs}
         try:
-            runs = batch_io.plan(items, files, self.max_request, reading=False)
-            errors = batch_io.execute(self._pool, runs, lambda r: write_all(r.fd, r.views, r.offset, r.seg.path))
+            runs = batch_io.plan(items, files, self._request_size(items), reading=False)
+            errors = batch_io.execute(self._pool, runs, batch_io.write_run)
             for k, e in errors.items():
                 f = fault_of(e, f"spill to {runs[k].seg.path} failed")
                 for i in runs[k].blocks:
@@ -376,6 +379,12 @@ class DiskStore:
             elif any(f is None for f in faults):
                 self.read_only_fault = None
         return faults
+
+    def _request_size(self, items) -> int:
+        """Large requests, but enough of them to keep every I/O thread busy: a batch of 8 MiB is
+        eight 1 MiB requests in parallel, not one (one stream of a virtual disk is far from its limit)."""
+        total = sum(v.nbytes for _, _, v in items)
+        return max(1 << 20, min(self.max_request, -(-total // self.io_threads)))
 
     def _slot_bytes_of(self, loc: int) -> int:
         with self._lock:
@@ -503,12 +512,12 @@ class DiskStore:
             self._busy.update(segs)
             files = {s: self._files[s] for s in segs}
         try:
-            runs = batch_io.plan(items, files, self.max_request, reading=True)
+            runs = batch_io.plan(items, files, self._request_size(items), reading=True)
             bad: dict[int, DiskFault] = {}
             views = {i: v for i, _, v in items}
 
             def one(run: batch_io.Run) -> None:
-                read_all(run.fd, run.views, run.offset, run.seg.path)
+                batch_io.read_run(run)
                 for i in run.blocks:  # verify in the reading thread (the CRC releases the GIL)
                     got = checksum(views[i])
                     if got != expect[i]:

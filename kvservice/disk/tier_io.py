@@ -28,6 +28,7 @@ from kvservice.io_backend import nbytes
 from kvservice.io_throttle import TokenBucket
 
 _Pending = tuple[int, object, Buffer, asyncio.Future]
+CANARY_ALLOWANCE = 256 << 10  # <disk_path>/<namespace>/canary files (4 KiB each on disk) of up to 64 namespaces
 
 
 class TierIO:
@@ -46,7 +47,7 @@ class TierIO:
              now: Callable[[], float], io_threads: int = 16, durable: bool = False,
              read_bytes_per_second: int = 0, write_bytes_per_second: int = 0) -> TierIO:
         store = DiskStore(root, capacity, max_ttl_seconds=max_ttl_seconds, now=now, io_threads=io_threads,
-                          durable=durable)
+                          durable=durable, other_bytes=CANARY_ALLOWANCE)
         return cls(store, writers, readers,
                    TokenBucket(read_bytes_per_second) if read_bytes_per_second else None,
                    TokenBucket(write_bytes_per_second) if write_bytes_per_second else None)
