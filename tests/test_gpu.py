@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kvservice import cuda_memory  # noqa: E402
 from kvservice.sessions_api import PoolRegion, PoolSpec  # noqa: E402
 from harness.blocks import h  # noqa: E402
+from harness.wait import wait_until  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST, DISK = 2, 3  # kvservice.v1.Tier
@@ -203,11 +204,7 @@ def _daemon(host: str, disk: str, *extra: str):
 
 
 def wait_for(what: str, predicate: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
+    wait_until(predicate, timeout, what)
 
 
 def _sessions(d) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,7 @@ from kvservice.server import running_server
 from tests.corekit import content, h
 from tests.daemon_kit import Daemon, short_tmpdir
 from tests.engine_kit import EngineProc
+from harness.wait import wait_until
 
 BLOCK = 4096
 LOADED, MISSING, FAILED = 1, 2, 3
@@ -38,14 +38,6 @@ TARGET = 32  # engine_proc lands load #k in pool block 32 + k, zeroed first
 ZEROS = hashlib.sha256(bytes(BLOCK)).hexdigest()
 
 
-def wait_until(predicate, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def block_file(disk_path: str, namespace: str, i: int) -> Path:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tests.daemon_kit import Daemon
 from tests.engine_kit import EngineProc
+from harness.wait import wait_until
 
 LOADED, MISSING = 1, 2
 STORED, NOT_STORED = 1, 5
@@ -21,14 +22,6 @@ STAGED, NOT_FOUND = 1, 3  # PrefetchStatus
 ON_DISK = list(range(8))
 
 
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def spill_to_disk(d: Daemon, eng: EngineProc) -> None:
