@@ -135,6 +135,8 @@ class Seq:
     phase: Phase = Phase.WAITING
     lookup: concurrent.futures.Future[tuple[int, list[int]]] | None = None  # sent at enqueue, read at admission
     lookup_from: int = 0  # the block the in-flight Lookup starts at
+    lookup_sent: float = 0.0  # monotonic time the Lookup was sent (its patience counts from here)
+    lookup_refreshed: bool = False  # a stale answer was asked again once, when the request reached the head
     table: list[BlockId] = field(default_factory=list)  # block of each position // tpb, whole budget
     held: list[Node] = field(default_factory=list)  # radix nodes this request holds a reference on
     private: set[BlockId] = field(default_factory=set)  # blocks this request frees at the end

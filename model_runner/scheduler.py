@@ -51,6 +51,8 @@ LOAD_POLICIES = ("auto", "always", "never")
 LOOKUP_PATIENCE_S = 1.0  # a Lookup unanswered this long counts as a miss: the request recomputes
 LOOKUP_PATIENCE_SHARE = 0.25  # ... or unanswered for this share of the prefill it could save, if less,
 LOOKUP_PATIENCE_MIN_S = 0.05  # but never less than this: a busy daemon's normal answer is not a miss
+LOOKUP_REFRESH_S = 0.05  # a partial answer older than this, for a request that queued, is asked again
+LOOKUP_PATIENCE_ALWAYS_S = 10.0  # load_policy "always" asked for loads: wait for the answer, however busy the host
 
 
 class Scheduler:
@@ -105,7 +107,24 @@ class Scheduler:
             log.warning("lookup not sent: %s", err)
             return
         seq.lookup_from = start
+        seq.lookup_sent = time.monotonic()
         seq.lookup.add_done_callback(lambda _: self.wake())
+
+    def _refresh_stale_lookup(self, seq: Seq) -> bool:
+        """A request that queued behind others may find blocks stored since its enqueue-time Lookup
+        (another engine's, or its own offloads): ask once more, overlapped with the running batch.
+        True when a new Lookup is in flight."""
+        fut = seq.lookup
+        if seq.lookup_refreshed or fut is None or not fut.done() or fut.cancelled() or fut.exception() is not None:
+            return False
+        if time.monotonic() - seq.lookup_sent < LOOKUP_REFRESH_S:
+            return False
+        stored, _ = fut.result()
+        if seq.lookup_from + stored >= self._usable_blocks(seq):
+            return False  # the answer already covers the whole prompt
+        seq.lookup_refreshed = True
+        self._send_lookup(seq)
+        return seq.lookup is not fut and seq.lookup is not None
 
     def reclaim(self) -> None:
         self.alloc.reclaim()
@@ -228,12 +247,15 @@ class Scheduler:
 
     def lookup_deadline(self, seq: Seq) -> float:
         """When admission stops waiting for seq's Lookup and counts it as a miss (monotonic seconds)."""
+        start = max(seq.t_submit, seq.lookup_sent)
+        if self.cfg.load_policy == "always":
+            return start + LOOKUP_PATIENCE_ALWAYS_S
         patience = LOOKUP_PATIENCE_S
         tps = self.cost.tokens_per_s
         if tps:
             saved = (self._usable_blocks(seq) - seq.lookup_from) * self.tpb
             patience = min(patience, max(LOOKUP_PATIENCE_MIN_S, LOOKUP_PATIENCE_SHARE * saved / tps))
-        return seq.t_submit + patience
+        return start + patience
 
     def next_deadline(self) -> float | None:
         """The earliest lookup_deadline of a waiting request whose Lookup is unanswered (the loop's wake-up)."""
@@ -242,6 +264,8 @@ class Scheduler:
         return None
 
     def _admit(self, seq: Seq) -> bool:
+        if self._refresh_stale_lookup(seq):
+            return False  # its done-callback (or the deadline) wakes the loop
         if seq.lookup is not None and not seq.lookup.done():
             if time.monotonic() < self.lookup_deadline(seq):
                 return False  # its done-callback (or the deadline) wakes the loop
