@@ -25,7 +25,8 @@ import torch
 
 from kvservice.clock import Clock
 from kvservice.config import Config
-from kvservice.engine_memory import keep_freed_host_memory, open_engine_memory
+from kvservice.engine_memory import open_engine_memory
+from kvservice.memory.host_arena import HostArena
 from kvservice.index import DiskState, Entry
 from kvservice.io_backend import BlockIO, BlockIOError, open_backend
 from kvservice.io_throttle import throttled
@@ -44,6 +45,16 @@ from kvservice.types import (
 log = logging.getLogger(__name__)
 
 
+def spill_staging_bytes(config: Config) -> int:
+    """Arena bytes beside the host tier for victims whose spill is queued or being written, so a
+    Store does not wait for the disk: a quarter of the host tier, at least 64 MiB (at most the
+    tier itself), at most 1 GiB; none without a disk tier (victims are dropped, never staged)."""
+    if not config.has_disk:
+        return 0
+    host = config.host_capacity_bytes
+    return min(host, max(64 << 20, min(host // 4, 1 << 30)))
+
+
 class BlockCache:
     def __init__(self, config: Config, clock: Clock, io: BlockIO | None = None) -> None:
         self.config = config
@@ -51,6 +62,7 @@ class BlockCache:
         self.stats = CounterSet()
         self._io = io
         self.tiers: Tiers | None = None
+        self.arena: HostArena | None = None
         self.namespaces = NamespaceRegistry(config.disk_path if config.has_disk else "")
         self._sessions = SessionTable(config.lease_seconds, config.max_sessions, config.max_sessions_per_uid)
         self._leases: dict[BlockKey, tuple[Entry, bool]] = {}  # prefetch leases: entry, staged from disk
@@ -64,10 +76,12 @@ class BlockCache:
     # --- lifecycle
     async def start(self) -> int:
         """Open the I/O backend, recover the disk tier, start the writers. Returns blocks recovered."""
-        keep_freed_host_memory()
         io = self._io if self._io is not None else open_backend(self.config.io_backend)
         self._io = throttled(io, self.config.disk_read_bytes_per_second, self.config.disk_write_bytes_per_second)
-        self.tiers = Tiers(self.config, self._io, self.stats, self.clock.now)
+        # the host tier's memory, all of it, now: pinned where engines copy over PCIe
+        self.arena = HostArena(self.config.host_capacity_bytes + spill_staging_bytes(self.config),
+                               pin=torch.cuda.is_available())
+        self.tiers = Tiers(self.config, self._io, self.stats, self.clock.now, self.arena)
         recovered = await self.tiers.recover()
         sizes = {e.namespace: e.size for e in self.tiers.index.values()}  # one canary read per namespace
         for ns_id, size in sizes.items():
@@ -88,6 +102,8 @@ class BlockCache:
         await asyncio.gather(*(self._close(s) for s in self._sessions.all()))
         await t.stop()
         self._copy_pool.shutdown(wait=True)
+        if self.arena is not None:
+            self.arena.close()
 
     @property
     def _t(self) -> Tiers:
@@ -283,7 +299,7 @@ class BlockCache:
         """Copy new blocks in, head first, in chunks the host tier can hold: a batch larger than
         the host tier streams through it (earlier chunks spill as later ones arrive)."""
         t = self._t
-        chunk = max(1, t.host.capacity_bytes // s.block_bytes)
+        chunk = max(1, min(t.host.arena.max_slots(s.block_bytes), t.host.capacity_bytes // s.block_bytes))
         for lo in range(0, len(new), chunk):
             stored = await self._store_chunk(s, new[lo:lo + chunk], ttl, now, results)
             if not stored:
@@ -294,14 +310,25 @@ class BlockCache:
 
     async def _store_chunk(self, s: Session, new: list[tuple[int, Entry, int]], ttl: float, now: float,
                            results: list[StoreResult | None]) -> bool:
-        """Store what fits of one chunk; False when some of it did not fit."""
+        """Store what fits of one chunk; False when some of it did not fit. Plan (evict, no await),
+        wait for the spills that make the room, take slots, copy the engine's blocks straight into
+        them, commit. Cancelled or failed before the commit, the slots go back (after the copy
+        thread is done with them) and the entries go in store()'s finally."""
         t = self._t
         size = s.block_bytes
         # head first: when only part of the chain fits, keep its prefix
-        fit = min(len(new), t.evictable_host_bytes(now, len(new) * size) // size)
-        spills = t.make_host_room(fit * size, now) if fit else None
-        if spills is None:
-            fit = 0
+        fit, offsets = 0, None
+        for attempt in range(4):  # a concurrent Store may take the slots our spills freed: plan again
+            fit, spills = t.make_host_room(size, len(new) if attempt == 0 else fit, now)
+            wait = t.room_after(spills, now) if spills else None
+            if fit and wait is not None:
+                # the spills belong to the tiers, not to this call: cancelling the Store must not abandon them
+                await asyncio.shield(wait)
+            if not fit or t.host.placeable(size) >= fit:
+                break
+        if fit:
+            fit = min(fit, t.host.placeable(size))
+            offsets = t.host.alloc(size, fit) if fit else None
         if fit < len(new):
             pinned, protected = t.host_blockers(now)
             if protected:  # DESIGN §5 protect-unexpired: refused admission, counted
@@ -317,34 +344,36 @@ class BlockCache:
                 StoreStatus.NOT_STORED, message=f"host tier has room for {fit} of {len(new)} blocks: {why}")
         complete = fit == len(new)
         new = new[:fit]
-        if not new:
+        if not new or offsets is None:
             return complete
-        reserved = fit * size
-        try:
-            # the spills belong to the tiers, not to this call: cancelling the Store must not abandon them
-            pending = t.spill(spills, now)
-            if pending is not None:
-                await asyncio.shield(pending)
-            rows, sums = await self._copy(s.memory.gather_with_checksums, [b for _, _, b in new])
-        except BaseException:
-            t.host.unreserve(reserved)
-            raise
+        sums = await self._copy(s.memory.gather_into, [b for _, _, b in new], t.host.arena, offsets,
+                                on_abandon=lambda: t.host.free(offsets, size))
         entries = [e for _, e, _ in new]
-        for (_, e, _), c in zip(new, sums):
+        for e, c in zip(entries, sums):
             e.checksum = c
             e.ready = True
             e.pins -= 1
-        t.host.add(entries, [rows[k] for k in range(len(entries))], reserved=True)
+        t.host.add(entries, offsets)
         for _, e, _ in new:
             self.stats.bump(s.namespace, "stores")
         for i, e, _ in new:
             results[i] = await self._retain_one(e, ttl, now, StoreStatus.STORED) if ttl else StoreResult(StoreStatus.STORED)
         return complete
 
-    async def _copy(self, fn, *args):
-        """Run one copy job on the copy pool. When the caller is cancelled the job still runs to
-        its end in its thread; the caller's rollback must not hand its memory to anyone before."""
-        return await asyncio.get_running_loop().run_in_executor(self._copy_pool, fn, *args)
+    async def _copy(self, fn, *args, on_abandon=None):
+        """Run one copy job on the copy pool. If the caller is cancelled (or the job fails) the job
+        still runs to its end in its thread: on_abandon runs only then, so memory the job touches
+        (slots, pins) is never handed to anyone while the copy is on it."""
+        fut = asyncio.get_running_loop().run_in_executor(self._copy_pool, fn, *args)
+        try:
+            return await asyncio.shield(fut)
+        except BaseException:
+            if on_abandon is not None:
+                if fut.done():
+                    on_abandon()
+                else:
+                    fut.add_done_callback(lambda _: on_abandon())
+            raise
 
     async def _retain_one(self, e: Entry, ttl: float, now: float, status: StoreStatus) -> StoreResult:
         if not ttl:
@@ -375,10 +404,12 @@ class BlockCache:
             e.pins += 1
             pinned.append(e)
             found.append((i, b, e))
+        handed_over = False  # once the scatter runs, its thread drops the pins when it is done
         try:
             srcs, ids, served = await self._collect_bytes(s, found, results)
             if srcs:
-                await asyncio.get_running_loop().run_in_executor(self._copy_pool, s.memory.scatter, ids, srcs)
+                handed_over = True
+                await self._copy(s.memory.scatter, ids, srcs, on_abandon=lambda: t.host.unpin(pinned))
             for (i, _, e), tier in served:
                 e.reuse += 1
                 self.stats.bump(s.namespace, "loads_host" if tier == Tier.HOST else "loads_disk")
@@ -389,17 +420,19 @@ class BlockCache:
             t.host.touch(chain)
             if t.disk is not None:
                 t.disk.touch(chain)
-        finally:
-            for e in pinned:
-                e.pins -= 1
+            t.host.unpin(pinned)
+        except BaseException:
+            if not handed_over:
+                t.host.unpin(pinned)
+            raise
         self._load_latency.observe(time.perf_counter() - t0)
         return [r if r is not None else LoadResult(LoadStatus.FAILED, message="internal error") for r in results]
 
     async def _collect_bytes(self, s: Session, found: list[tuple[int, int, Entry]], results: list[LoadResult | None]):
         """Source buffers for found blocks: memory right away, disk blocks read (and verified) in parallel."""
         t = self._t
-        # take memory buffers now: a queued spill may finish (and let go of them) while disk reads run
-        mem_of = {id(e): e.memory_buf() for _, _, e in found}
+        # slots are pinned by the caller: a spill that finishes meanwhile leaves them in place
+        mem_of = {id(e): t.host.row(e) if e.in_memory else None for _, _, e in found}
         on_disk = [(i, b, e) for i, b, e in found if mem_of[id(e)] is None]
         bufs = s.memory.alloc_host(len(on_disk))
         reads = await asyncio.gather(*(t.read_from_disk(e, out) for (_, _, e), out in zip(on_disk, bufs)),
@@ -446,7 +479,7 @@ class BlockCache:
             e = t.index.get(BlockKey(s.namespace, BlockHash(h)))
             if e is None or e.tier == Tier.NONE:
                 out.append(PrefetchResult(PrefetchStatus.NOT_FOUND))
-            elif e.memory_buf() is not None:
+            elif e.in_memory:
                 if e.lease_until <= now:  # a running lease (this session's or another's) is not renewed
                     if e.size > budget:
                         out.append(self._over_cap(s))
@@ -468,7 +501,7 @@ class BlockCache:
                 if isinstance(r, BaseException):
                     out[pos] = PrefetchResult(PrefetchStatus.FAILED, f"disk read failed, block discarded: {r}")
                     continue
-                if e.memory_buf() is None and not t.onboard(e, r) and not await t.onboard_evicting(e, r):
+                if not e.in_memory and not t.onboard(e, r) and not await t.onboard_evicting(e, r):
                     out[pos] = PrefetchResult(PrefetchStatus.FAILED,
                                               "no room in the host tier: it is pinned by loads and prefetches")
                     continue
@@ -476,8 +509,7 @@ class BlockCache:
                     self._lease(s, e, now, staged=True)
                 self.stats.bump(s.namespace, "prefetch_staged")
         finally:
-            for _, e in to_read:
-                e.pins -= 1
+            t.host.unpin([e for _, e in to_read])
         return out
 
     def _lease_cap(self) -> int:
@@ -559,7 +591,7 @@ class BlockCache:
             if e is None or e.tier == Tier.NONE:
                 out.append(None)
                 continue
-            tiers = (["host"] if e.memory_buf() is not None else []) + (["disk"] if e.disk == DiskState.ON_DISK else [])
+            tiers = (["host"] if e.in_memory else []) + (["disk"] if e.disk == DiskState.ON_DISK else [])
             out.append(dict(tiers=tiers, disk=e.disk.name.lower(), deadline=e.deadline, retained=e.retained(now),
                             pinned=e.pinned(now), bytes=e.size, reuse=e.reuse, stored_at=e.stored_at))
         return out
@@ -651,6 +683,12 @@ class BlockCache:
         host = sum(e.size for e in entries if e.host_buf is not None)
         if host != t.host.used_bytes:
             problems.append(f"host tier accounts {t.host.used_bytes} bytes, its blocks hold {host}")
+        staged = sum(e.size for e in entries if e.staged)
+        if staged != t.host.staged_bytes or staged > t.host.staging_bytes:
+            problems.append(f"spill staging accounts {t.host.staged_bytes} bytes, its spills hold {staged}")
+        slots = sum(e.size for e in entries if e.slot >= 0)
+        if self.arena is not None and slots != self.arena.used_bytes:
+            problems.append(f"arena has {self.arena.used_bytes} bytes of slots taken, blocks hold {slots}")
         if t.disk is not None:
             disk = sum(e.size for e in entries if e.disk != DiskState.NONE)
             if disk != t.disk.used_bytes:

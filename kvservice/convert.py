@@ -18,6 +18,17 @@ from kvservice.v1 import admin_pb2, kvcache_pb2
 CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t) == sizeof(cudaIpcEventHandle_t)
 MAX_LABEL_CHARS = 256  # model ids, dtypes, layouts, salts, client names
 UINT32_MAX = (1 << 32) - 1
+# the most one block adds to a data or admin request: a BlockRef (32-byte hash, uint32 id, framing)
+# is 42 bytes, a hash as hex text (Admin.DescribeBlocks) 67
+REQUEST_BYTES_PER_BLOCK = 96
+REQUEST_BASE_BYTES = 2 << 20  # session id, namespace id, options: an odd 1 MiB string still gets its reason
+
+
+def max_request_bytes(max_batch_blocks: int) -> int:
+    """The gRPC receive limit: the largest valid request of max_batch_blocks blocks, with headroom.
+    Anything larger is refused (RESOURCE_EXHAUSTED) before it is parsed, so no client can make the
+    daemon buffer and decode a giant message."""
+    return REQUEST_BASE_BYTES + REQUEST_BYTES_PER_BLOCK * max_batch_blocks
 
 
 def _invalid(message: str) -> CacheError:

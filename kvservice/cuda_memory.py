@@ -53,7 +53,8 @@ from typing import Any
 import torch
 
 from kvservice import checksum as _checksum
-from kvservice.engine_memory import _InFlight, validate_layout
+from kvservice.memory.engine_pool import InFlight, validate_layout
+from kvservice.memory.host_arena import HostArena, runs
 from kvservice.sessions_api import PoolSpec
 from kvservice.types import CacheError, ErrorCode
 
@@ -429,12 +430,10 @@ class _GpuCrc:
                                                                                          self.device.index)
         return s
 
-    def rows(self, data: torch.Tensor, row_bytes: int, out: torch.Tensor, stream: torch.cuda.Stream) -> None:
-        """out[i] = crc32c of row i of the contiguous device tensor data, computed on `stream`."""
-        import numpy as np
-
+    def prepare(self, row_bytes: int) -> None:
+        """The tables for rows of row_bytes (built once per size; a session's registration calls this,
+        so its first Store does not pay for them)."""
         seg = crc_segment_bytes(row_bytes)
-        n = data.numel() * data.element_size() // row_bytes
         if row_bytes not in self._zero:
             import google_crc32c
 
@@ -442,6 +441,14 @@ class _GpuCrc:
         if seg not in self._shift:
             self._shift[seg] = torch.tensor([v for t in crc_shift_tables(seg) for v in t], dtype=torch.int64,
                                             device=self.device).to(torch.int32)
+
+    def rows(self, data: torch.Tensor, row_bytes: int, out: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        """out[i] = crc32c of row i of the contiguous device tensor data, computed on `stream`."""
+        import numpy as np
+
+        seg = crc_segment_bytes(row_bytes)
+        n = data.numel() * data.element_size() // row_bytes
+        self.prepare(row_bytes)
         per_row = row_bytes // seg
         segs = torch.empty(n * per_row, dtype=torch.int32, device=self.device)
         threads = 128
@@ -513,7 +520,7 @@ class CudaEngineMemory:
         self.num_blocks = spec.num_blocks
         self.block_bytes = spec.block_bytes
         self._dev = _acquire_device(index)
-        self._inflight = _InFlight()
+        self._inflight = InFlight()
         self._ptr = 0
         try:
             with torch.cuda.device(index):
@@ -532,6 +539,13 @@ class CudaEngineMemory:
                 self._event = (torch.cuda.Event.from_ipc_handle(self._dev.device, bytes(spec.cuda_event_handle))
                                if spec.cuda_event_handle else None)
                 self._plan(base)
+                # build and self-test the GPU CRC kernels, the tables of this block size and a lane now:
+                # the first Store must run at the speed of the thousandth
+                crc = _gpu_crc_for(self._dev) if crc_segment_bytes(spec.block_bytes) else None
+                if crc is not None:
+                    crc.prepare(spec.block_bytes)
+                with self._dev.lane():
+                    pass
         except BaseException:
             self._release()
             raise
@@ -650,6 +664,58 @@ class CudaEngineMemory:
                 lane.synchronize()
         rows = [r for h in hosts for r in h.unbind(0)]
         return rows, sums
+
+    def gather_into(self, block_ids: Sequence[int], arena: HostArena, offsets: Sequence[int]) -> list[int]:
+        """Engine GPU -> host arena slots (pinned): per chunk one gather kernel into device staging,
+        then one D2H copy per run of adjacent slots straight into the arena, on the DMA stream while
+        the next chunk gathers. Returns the CRC32C of each block (GPU kernels when available)."""
+        bb = self.block_bytes
+        n_all = len(block_ids)
+        gpu_crc = _gpu_crc_for(self._dev) if crc_segment_bytes(bb) else None
+        base = arena.base
+        with self._inflight, torch.cuda.device(self._dev.index), self._dev.lane() as lane:
+            try:
+                with torch.cuda.stream(lane.kernels):
+                    if self._event is not None:
+                        lane.kernels.wait_event(self._event)  # the engine's writes to these blocks come first
+                    idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self._dev.device)
+                    crc_dev = torch.empty(n_all, dtype=torch.int32, device=self._dev.device) if gpu_crc else None
+                done = []
+                lo = 0
+                for k in chunk_rows(n_all, bb):
+                    with torch.cuda.stream(lane.kernels):
+                        staged = self._gather_dev(idx[lo:lo + k])
+                        gathered = lane.kernels.record_event()
+                        if gpu_crc is not None:  # on the kernel stream, beside the DMA of the same chunk
+                            gpu_crc.rows(staged, bb, crc_dev[lo:lo + k], lane.kernels)
+                    lane.dma.wait_event(gathered)
+                    with torch.cuda.stream(lane.dma):
+                        for first, n, off in runs(offsets[lo:lo + k], bb):
+                            dst = base[off:off + n * bb].view(self._dtype).view(n, self._row)
+                            dst.copy_(staged[first:first + n], non_blocking=True)
+                        staged.record_stream(lane.dma)  # its memory is reused only after this copy
+                        done.append((lo, k, lane.dma.record_event()))
+                    del staged
+                    lo += k
+                sums: list[int] = []
+                if gpu_crc is not None:
+                    crc_host = torch.empty(n_all, dtype=torch.int32, pin_memory=True)
+                    with torch.cuda.stream(lane.kernels):
+                        crc_host.copy_(crc_dev, non_blocking=True)
+                    lane.kernels.synchronize()
+                    sums = [v & 0xFFFFFFFF for v in crc_host.tolist()]
+                futures = []
+                pool = _crc_executor() if gpu_crc is None else None
+                for lo, k, ev in done:
+                    ev.synchronize()
+                    if pool is not None:
+                        for first, n, off in runs(offsets[lo:lo + k], bb):
+                            futures.append(pool.submit(_crc_rows, base.data_ptr() + off, n, bb))
+                for f in futures:
+                    sums.extend(f.result())
+            finally:
+                lane.synchronize()
+        return sums
 
     def scatter(self, block_ids: Sequence[int], srcs: Sequence[torch.Tensor]) -> None:
         bb = self.block_bytes

@@ -3,6 +3,7 @@
 Primitives:
   gather(block_ids) -> [row per block]            copy blocks out of the engine pool into host rows
   gather_with_checksums(block_ids) -> rows, crcs  the same, with the CRC32C of each row
+  gather_into(block_ids, arena, offsets) -> crcs   copy blocks straight into host arena slots
   alloc_host(n) -> [buffer or None per block]     where disk reads for this pool should land
   scatter(block_ids, srcs)                        copy one host buffer per block into the engine pool
   close()                                         unmap once no copy is in flight
@@ -21,13 +22,13 @@ import fcntl
 import mmap
 import os
 import stat
-import threading
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
 
 from kvservice.checksum import checksum
+from kvservice.memory.engine_pool import EngineMemory, InFlight, validate_layout
+from kvservice.memory.host_arena import HostArena, runs
 from kvservice.sessions_api import PoolSpec
 from kvservice.types import CacheError, ErrorCode
 
@@ -44,63 +45,6 @@ def keep_freed_host_memory() -> None:
     m_trim_threshold, m_mmap_threshold = -1, -3
     libc.mallopt(m_mmap_threshold, 32 << 20)
     libc.mallopt(m_trim_threshold, 1 << 30)
-
-
-class EngineMemory(Protocol):
-    block_bytes: int
-    num_blocks: int
-
-    def gather(self, block_ids: Sequence[int]) -> Sequence[torch.Tensor]: ...
-
-    def gather_with_checksums(self, block_ids: Sequence[int]) -> tuple[Sequence[torch.Tensor], list[int]]: ...
-
-    def alloc_host(self, n: int) -> Sequence[torch.Tensor | None]: ...
-
-    def scatter(self, block_ids: Sequence[int], srcs: Sequence[torch.Tensor]) -> None: ...
-
-    def close(self) -> None: ...
-
-
-def validate_layout(spec: PoolSpec) -> None:
-    """Every region row of every block must lie inside the allocation."""
-    if spec.num_blocks <= 0:
-        raise CacheError(ErrorCode.INVALID_ARGUMENT, "pool.num_blocks must be > 0")
-    if not spec.regions:
-        raise CacheError(ErrorCode.INVALID_ARGUMENT, "pool.regions is empty")
-    for i, r in enumerate(spec.regions):
-        if r.block_bytes <= 0 or r.block_stride < r.block_bytes:
-            raise CacheError(ErrorCode.INVALID_ARGUMENT,
-                             f"pool.regions[{i}]: need 0 < block_bytes <= block_stride, got {r.block_bytes}, {r.block_stride}")
-        end = r.offset + (spec.num_blocks - 1) * r.block_stride + r.block_bytes
-        if end > spec.size:
-            raise CacheError(ErrorCode.INVALID_ARGUMENT,
-                             f"pool.regions[{i}] ends at byte {end}, past the pool size {spec.size}")
-
-
-class _InFlight:
-    """Counts copies in flight so that close() never unmaps under a running copy."""
-
-    def __init__(self) -> None:
-        self._cv = threading.Condition()
-        self._n = 0
-        self.closed = False
-
-    def __enter__(self) -> None:
-        with self._cv:
-            if self.closed:
-                raise CacheError(ErrorCode.NOT_FOUND, "session closed: its pool mapping is released")
-            self._n += 1
-
-    def __exit__(self, *exc: object) -> None:
-        with self._cv:
-            self._n -= 1
-            self._cv.notify_all()
-
-    def close_when_idle(self) -> None:
-        with self._cv:
-            self.closed = True
-            while self._n:
-                self._cv.wait()
 
 
 class ShmEngineMemory:
@@ -142,7 +86,7 @@ class ShmEngineMemory:
             self._base.as_strided((spec.num_blocks, r.block_bytes // word), (r.block_stride // word, 1), r.offset // word)
             for r in spec.regions
         ]
-        self._inflight = _InFlight()
+        self._inflight = InFlight()
 
     def gather(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
         """One host row per block, as views into slabs of at most SLAB_BYTES: freed slabs go back
@@ -163,6 +107,27 @@ class ShmEngineMemory:
     def gather_with_checksums(self, block_ids: Sequence[int]) -> tuple[list[torch.Tensor], list[int]]:
         rows = self.gather(block_ids)
         return rows, [checksum(row) for row in rows]
+
+    def gather_into(self, block_ids: Sequence[int], arena: HostArena, offsets: Sequence[int]) -> list[int]:
+        """Copy blocks straight into host arena slots (one index_select per run of adjacent slots
+        and region); returns the CRC32C of each."""
+        bb = self.block_bytes
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long)
+        base = arena.base
+        with self._inflight:
+            for first, n, off in runs(offsets, bb):
+                part = idx[first:first + n]
+                dst = base[off:off + n * bb]
+                dst = dst.view(torch.int64).view(n, bb // 8) if self._word == 8 else dst.view(n, bb)
+                if len(self._views) == 1:
+                    torch.index_select(self._views[0], 0, part, out=dst)
+                    continue
+                col = 0
+                for v in self._views:
+                    width = v.shape[1]
+                    dst[:, col:col + width] = v.index_select(0, part)
+                    col += width
+        return [checksum(base[o:o + bb]) for o in offsets]
 
     def alloc_host(self, n: int) -> list[None]:
         return [None] * n  # any CPU buffer will do: the reader allocates its own

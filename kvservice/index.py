@@ -9,8 +9,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from kvservice.types import BlockKey, NamespaceId, Tier
 
 
@@ -28,8 +26,10 @@ class Entry:
     stored_at: float
     deadline: float = 0.0  # retention deadline, unix seconds; 0: never retained
     reuse: int = 0  # times loaded
-    host_buf: torch.Tensor | None = None  # bytes in the host tier
-    spill_buf: torch.Tensor | None = None  # bytes held by the write queue (left host accounting)
+    slot: int = -1  # byte offset of its slot in the host arena; -1: not in host memory
+    spilling: bool = False  # evicted from the host tier: the slot goes once its disk write ends
+    staged: bool = False  # while spilling: its bytes count on the spill staging budget, not the tier
+    release_pending: bool = False  # the slot is to go, once the copies pinning it are done
     disk: DiskState = DiskState.NONE
     disk_path: str = ""
     disk_loc: int = -1  # disk tier v2 (segments): the block's segment slot, kvservice.disk.make_loc
@@ -49,13 +49,20 @@ class Entry:
     def pinned(self, now: float) -> bool:
         return self.pins > 0 or self.lease_until > now
 
-    def memory_buf(self) -> torch.Tensor | None:
-        """Bytes available without disk I/O (host tier or a queued spill)."""
-        return self.host_buf if self.host_buf is not None else self.spill_buf
+    @property
+    def in_memory(self) -> bool:
+        """Bytes available without disk I/O: in the host tier, or in a slot a spill still holds."""
+        return self.slot >= 0
+
+    @property
+    def host_buf(self) -> int | None:
+        """The slot offset while the block's bytes count on the host tier (not on the spill staging
+        budget); None otherwise. What the host tier's used bytes add up (tests count by it)."""
+        return self.slot if self.slot >= 0 and not self.staged else None
 
     @property
     def tier(self) -> Tier:
-        if self.memory_buf() is not None:
+        if self.slot >= 0:
             return Tier.HOST
         if self.disk == DiskState.ON_DISK:
             return Tier.DISK

@@ -32,6 +32,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from kvservice import convert
 from kvservice.cache import BlockCache
 from kvservice.clock import Clock, SystemClock
 from kvservice.config import UNIX_PATH_MAX, Config, format_bytes, parse_uids
@@ -146,11 +147,13 @@ def data_socket_path(socket_path: str, uid: int) -> str:
     return f"{socket_path}.uid{uid}"
 
 
-def _grpc_server(interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()) -> grpc.aio.Server:
+def _grpc_server(config: Config, interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()) -> grpc.aio.Server:
+    # a request larger than the largest valid one is refused by gRPC before it is parsed
+    receive = convert.max_request_bytes(config.max_batch_blocks)
     return grpc.aio.server(
         interceptors=interceptors,
         options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", receive),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),  # a second daemon on the same TCP port must fail, not share it
         ],
@@ -224,7 +227,7 @@ async def running_server(
     data_sockets = {uid: data_socket_path(config.socket_path, uid) for uid in policy.allowed_uids}
 
     # main Unix socket: the data plane of the daemon's own uid (and root), all of Admin, health
-    main = _grpc_server((SessionGuard(cache, MAIN_LISTENER),))
+    main = _grpc_server(config, (SessionGuard(cache, MAIN_LISTENER),))
     kvcache_pb2_grpc.add_KVCacheServicer_to_server(KVCacheServicer(cache), main)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(cache, config, clock, mutations=True), main)
     health = _add_health(main, (KVCACHE_SERVICE, ADMIN_SERVICE))
@@ -233,14 +236,14 @@ async def running_server(
     # one data socket per other allowed uid: only that uid can open it, so calls there are its own
     uid_servers = []
     for uid in policy.allowed_uids:
-        srv = _grpc_server((SessionGuard(cache, uid_listener(uid)),))
+        srv = _grpc_server(config, (SessionGuard(cache, uid_listener(uid)),))
         kvcache_pb2_grpc.add_KVCacheServicer_to_server(KVCacheServicer(cache), srv)
         servers.append((srv, _add_health(srv, (KVCACHE_SERVICE,)), ("", KVCACHE_SERVICE)))
         uid_servers.append((uid, srv))
     # TCP: operators only (health, reflection, Admin; mutating calls only with tcp_admin_mutations + token)
     tcp_server = None
     if config.tcp_address:
-        tcp_server = _grpc_server()
+        tcp_server = _grpc_server(config)
         admin_pb2_grpc.add_AdminServicer_to_server(
             AdminServicer(cache, config, clock, mutations=config.tcp_admin_mutations, listener="TCP"), tcp_server)
         servers.append((tcp_server, _add_health(tcp_server, (ADMIN_SERVICE,)), ("", ADMIN_SERVICE)))

@@ -1,8 +1,8 @@
 """Tiers: the index, host tier, disk tier and retention, and every move between them.
 
 Primitives (all state changes happen on the event loop thread; bytes move in thread pools):
-  make_host_room(nbytes, now) -> spills   evict host LRU victims (spill or drop) for nbytes, reserve
-  spill(spills, now) -> task              queue those spills, owned by the tiers (not by the caller)
+  make_host_room(size, n, now) -> fit, spills   evict host LRU victims (spill or drop) so n blocks fit
+  room_after(spills, now) -> future       queue those spills; resolves when their slots are free
   read_from_disk(entry) -> buffer         read and checksum-verify; a bad block is discarded
   onboard(entry, buf, now)                put a disk block read back into the host tier
   remove(entry)                           forget a block everywhere (admin evict, corruption)
@@ -32,6 +32,7 @@ from kvservice.eviction import Victim, admission_gate, plan_disk_eviction
 from kvservice.host_tier import HostTier
 from kvservice.index import BlockIndex, DiskState, Entry
 from kvservice.io_backend import BlockIO, BlockIOError
+from kvservice.memory.host_arena import HostArena
 from kvservice.retention import Retention
 from kvservice.stats import CounterSet
 from kvservice.types import BlockHash, BlockKey, NamespaceId
@@ -41,13 +42,13 @@ log = logging.getLogger(__name__)
 
 
 class Tiers:
-    def __init__(self, config: Config, io: BlockIO, stats: CounterSet, clock_now) -> None:
+    def __init__(self, config: Config, io: BlockIO, stats: CounterSet, clock_now, arena: HostArena) -> None:
         self.config = config
         self.io = io
         self.stats = stats
         self.now = clock_now
         self.index = BlockIndex()
-        self.host = HostTier(config.host_capacity_bytes)
+        self.host = HostTier(arena, config.host_capacity_bytes)
         self.disk = DiskTier(config.disk_path, config.disk_capacity_bytes) if config.has_disk else None
         self.segments: TierIO | None = None  # disk tier v2 (disk_format "segments"), opened by recover()
         self._writing: set[int] = set()  # segment slots with a write in flight
@@ -79,10 +80,9 @@ class Tiers:
                 self.stats.bump(e.namespace, "admission_refusals")
                 continue
             self._apply_disk_plan(plan)
-            self.disk.reserve(e)
+            self.disk.reserve(e)  # it stays in the host tier: the writer reads its slot
             if not self._reserve_slot(e, now):
                 continue
-            e.spill_buf = e.host_buf
             jobs.append(e)
         for e in jobs:
             await self.writes.submit(e, sheddable=False)
@@ -191,27 +191,54 @@ class Tiers:
         return False
 
     # --- host tier
-    def make_host_room(self, nbytes: int, now: float) -> list[Entry] | None:
-        """Evict host victims until nbytes fit and reserve them (the caller adds with reserved=True
-        or unreserves). Returns the victims that must be spilled (hand them to spill), or
-        None, with nothing evicted, if pins forbid it. No await: nothing can come between the plan
-        and the reservation, and a cancelled caller has nothing half-made to undo but the room."""
-        if nbytes > self.host.capacity_bytes:
-            return None
-        victims = self._host_plan(nbytes, now)
-        if victims is None:
-            return None
+    def make_host_room(self, block_bytes: int, n: int, now: float) -> tuple[int, list[Entry]]:
+        """Evict LRU victims so that n blocks of block_bytes can be placed in the arena, or as many
+        as the pins allow. Returns (fit, spills): `fit` blocks are placeable once the `spills` have
+        been written (await Tiers.room_after(spills)); victims with a disk copy, or dropped, gave
+        their slots back at once. No await: nothing can come between the plan and the evictions,
+        and the caller has no reservation to undo."""
+        if self.host.placeable(block_bytes) >= n:
+            return n, []
+        # two budgets: arena slots (segments of one block size) and the tier's capacity in bytes
+        phys = self.host.arena.placeable(block_bytes)
+        room = self.host.free_bytes
+        victims: list[Entry] = []
+        after: list[int] = []  # placeable once victims[:k+1] are out
+        freed_in: dict[int, int] = {}
+        have = min(phys, room // block_bytes)
+        for e in self._host_candidates(now):
+            phys += self.host.arena.slot_freeing(e.slot, e.size, block_bytes, freed_in)
+            room += e.size
+            have = min(phys, room // block_bytes)
+            victims.append(e)
+            after.append(have)
+            if have >= n:
+                break
+        fit = min(n, have)
+        # evict no more than the shortest prefix of victims that makes room for `fit`
+        k = next((i + 1 for i, h in enumerate(after) if h >= fit), 0)
+        victims = victims[:k]
         # retained victims claim disk room before best-effort ones
         victims.sort(key=lambda e: not e.retained(now))
         spills = [v for v in victims if self._evict_from_host(v, now)]
-        self.host.reserve(nbytes)
-        return spills
+        return fit, spills
+
+    def room_after(self, spills: list[Entry], now: float) -> asyncio.Future | None:
+        """Queue the spills make_host_room chose; returns what to wait for before their room can be
+        taken (None: nothing): queue room under the "wait" policy, and the writes of victims that
+        found the spill staging budget full. The work is the tiers' own: a caller awaiting this
+        through asyncio.shield may be cancelled without abandoning a spill."""
+        pending = self.spill(spills, now)
+        freed = self.host.freed(spills)
+        waits = [f for f in (pending, freed) if f is not None]
+        if not waits:
+            return None
+        return waits[0] if len(waits) == 1 else asyncio.gather(*waits)
 
     def spill(self, spills: list[Entry], now: float) -> asyncio.Future[None] | None:
-        """Queue the spills make_host_room chose. What the queue cannot take now is submitted by a
-        task of the tiers' own, returned: a caller that awaits it (backpressure under the "wait"
-        policy) through asyncio.shield may be cancelled without abandoning them. drain() waits
-        for these tasks. None: all queued, nothing to wait for."""
+        """Queue spills. What the queue cannot take now is submitted by a task of the tiers' own,
+        returned (backpressure under the "wait" policy). drain() waits for these tasks.
+        None: all queued."""
         for k, v in enumerate(spills):
             if not self.writes.try_submit(v):  # the queue is full: the rest waits (or sheds) in a task
                 task = asyncio.ensure_future(self._submit_spills(spills[k:], now))
@@ -227,35 +254,10 @@ class Tiers:
                 await self._submit_spill(v, now)
             except BaseException:
                 for rest in spills[k:]:
-                    if rest.disk == DiskState.QUEUED and rest.spill_buf is not None:
+                    if rest.disk == DiskState.QUEUED:
                         self.stats.bump(rest.namespace, "drops_pressure")
                         self._abandon_spill(rest)
                 raise
-
-    def _host_plan(self, nbytes: int, now: float) -> list[Entry] | None:
-        """LRU victims freeing nbytes, or None."""
-        need = nbytes - self.host.free_bytes
-        if need <= 0:
-            return []
-        out: list[Entry] = []
-        for e in self._host_candidates(now):
-            out.append(e)
-            need -= e.size
-            if need <= 0:
-                return out
-        return None
-
-    def evictable_host_bytes(self, now: float, want: int) -> int:
-        """Free host bytes plus what make_host_room could evict right now, counted up to `want`
-        (the walk stops there: a Store must not cost a pass over the whole host tier)."""
-        total = self.host.free_bytes
-        if total >= want:
-            return total
-        for e in self._host_candidates(now):
-            total += e.size
-            if total >= want:
-                break
-        return total
 
     def _host_candidates(self, now: float):
         """Host entries that may be evicted, oldest first. Under protect-unexpired, an unexpired
@@ -309,31 +311,36 @@ class Tiers:
         return store is not None and (store.readonly or store.read_only_fault is not None)
 
     def _evict_from_host(self, e: Entry, now: float) -> bool:
-        """Take e out of host memory; True when it was given disk room and must be spilled."""
-        buf = self.host.remove(e)
+        """Take e out of the host tier; True when it was given disk room and must be spilled (its
+        slot stays until the write ends), False when its slot went back at once."""
         self.stats.bump(e.namespace, "host_evictions")
         if e.disk != DiskState.NONE:
-            return False  # a disk copy exists or is being written: nothing to do
+            self.host.evict(e, keep_slot=False)  # a disk copy exists or is being written
+            return False
         if self.disk is None:
             self.stats.bump(e.namespace, "drops_no_disk")
-            self._forget(e)
+            self._drop(e)
             return False
         if not e.retained(now) and not self.gate(e, now):
             self.stats.bump(e.namespace, "drops_gate")
-            self._forget(e)
+            self._drop(e)
             return False
         plan = plan_disk_eviction(self.disk, e.size, now, self.config.protect_unexpired)
         if plan is None:
             self.stats.bump(e.namespace, "admission_refusals")
-            self._forget(e)
+            self._drop(e)
             return False
         self._apply_disk_plan(plan)
         self.disk.reserve(e)
         if not self._reserve_slot(e, now):
-            self._forget(e)
+            self._drop(e)
             return False
-        e.spill_buf = buf
+        self.host.evict(e, keep_slot=True)
         return True
+
+    def _drop(self, e: Entry) -> None:
+        self.host.evict(e, keep_slot=False)
+        self._forget(e)
 
     async def _submit_spill(self, e: Entry, now: float) -> None:
         # retained spills are never shed: they wait for room in the queue like under "wait"
@@ -341,60 +348,61 @@ class Tiers:
             self.stats.bump(e.namespace, "drops_pressure")
             self._abandon_spill(e)
 
-    def onboard(self, e: Entry, buf: torch.Tensor, reserved: bool = False) -> bool:
-        """Keep a block read from disk in the host tier: into reserved room, or free room."""
-        fits = reserved or self.host.free_bytes >= e.size
-        if self.index.get_any(e.key) is not e or e.memory_buf() is not None or not fits:
-            if reserved:
-                self.host.unreserve(e.size)
+    def onboard(self, e: Entry, buf: torch.Tensor) -> bool:
+        """Keep a block read from disk in the host tier, if a slot is free (no eviction)."""
+        if self.index.get_any(e.key) is not e or e.in_memory:
             return False
-        self.host.add([e], [buf], reserved=reserved)
+        offsets = self.host.alloc(e.size, 1) if self.host.placeable(e.size) else None
+        if offsets is None:
+            return False
+        self.host.arena.row(offsets[0], e.size).copy_(buf.view(torch.uint8).reshape(-1))
+        self.host.add([e], offsets)
         self.stats.bump(e.namespace, "disk_onboards")
         return True
 
     async def onboard_evicting(self, e: Entry, buf: torch.Tensor) -> bool:
-        if self.index.get_any(e.key) is not e or e.memory_buf() is not None:
+        if self.index.get_any(e.key) is not e or e.in_memory:
             return False
         now = self.now()
-        spills = self.make_host_room(e.size, now)
-        if spills is None:
+        fit, spills = self.make_host_room(e.size, 1, now)
+        if not fit:
             return False
-        try:
-            pending = self.spill(spills, now)
-            if pending is not None:
-                await asyncio.shield(pending)
-        except BaseException:
-            self.host.unreserve(e.size)
-            raise
-        return self.onboard(e, buf, reserved=True)
+        wait = self.room_after(spills, now)
+        if wait is not None:
+            await asyncio.shield(wait)
+        return self.onboard(e, buf)
 
     # --- disk tier
     async def _write_job(self, e: Entry) -> None:
-        """Write one spill; its disk room was reserved when it left the host tier."""
+        """Write one spill from its slot; its disk room was reserved when it was queued."""
         assert self.disk is not None
-        if self.index.get_any(e.key) is not e or e.disk != DiskState.QUEUED:  # evicted while queued
+        if self.index.get_any(e.key) is not e or e.disk != DiskState.QUEUED or not e.in_memory:  # evicted while queued
             self._abandon_spill(e)
             return
         if self.segments is not None:
             return await self._write_segment(e)
         meta = self._meta(e)
         loop = asyncio.get_running_loop()
+        e.pins += 1  # the slot is read by the writer thread: it must not be freed or reused meanwhile
         try:
             path = await loop.run_in_executor(
-                self.writer_pool, block_file.write_block, self.io, self.disk.root, meta, e.spill_buf)
+                self.writer_pool, block_file.write_block, self.io, self.disk.root, meta, self.host.row(e))
         except (OSError, BlockIOError, ValueError) as err:
             log.warning("spill of %s failed: %s", e.key.hash.hex()[:16], err)
             self.stats.bump(e.namespace, "io_errors")
+            self.host.unpin([e])
             self._abandon_spill(e)
             return
-        if self.index.get_any(e.key) is not e:  # evicted by an admin while it was written
+        self.host.unpin([e])
+        if self.index.get_any(e.key) is not e or e.disk != DiskState.QUEUED:  # evicted while it was written
             self.io.remove(path)
             self._abandon_spill(e)
             return
-        e.spill_buf = None
         e.disk_path = path
         e.disk_deadline = meta.deadline
         self.disk.commit(e)
+        if e.spilling:
+            self.host.release(e)
         self.stats.bump(e.namespace, "spills")
         if e.deadline != e.disk_deadline:
             await self.persist_deadline(e)
@@ -405,10 +413,12 @@ class Tiers:
         loc = e.disk_loc
         block = BlockWrite(e.namespace, e.key.hash, e.checksum, e.deadline, e.stored_at, e.reuse)
         self._writing.add(loc)
+        e.pins += 1  # the store reads the block's host slot: it must not be freed or reused meanwhile
         try:
-            fault = await self.segments.write(loc, block, e.spill_buf)
+            fault = await self.segments.write(loc, block, self.host.row(e))
         finally:
             self._writing.discard(loc)
+            self.host.unpin([e])
         if fault is not None:  # the store gave the slot back
             e.disk_loc = -1
             self.stats.bump(e.namespace, "io_errors")
@@ -420,40 +430,38 @@ class Tiers:
             e.disk_loc = -1
             self._abandon_spill(e)
             return
-        e.spill_buf = None
         e.disk_deadline = block.deadline
         self.disk.commit(e)
+        if e.spilling:
+            self.host.release(e)
         self.stats.bump(e.namespace, "spills")
         if e.deadline != e.disk_deadline:
             await self.persist_deadline(e)
 
     def _spill_failed(self, e: Entry) -> None:
-        """A retained block whose spill failed goes back to the host tier when it fits there,
-        instead of vanishing; anything else is dropped as before."""
-        buf = e.spill_buf
-        if (buf is not None and e.host_buf is None and e.retained(self.now()) and self.index.get_any(e.key) is e
-                and self.host.free_bytes >= e.size):
+        """A retained block whose spill failed goes back to the host tier when it fits there (it
+        still holds its slot: no copy), instead of vanishing; anything else is dropped as before."""
+        if e.spilling and e.retained(self.now()) and self.index.get_any(e.key) is e:
             self.disk.unreserve(e)
-            e.spill_buf = None
-            self.host.add([e], [buf])
-            return
-        if buf is not None and e.retained(self.now()):
+            if self.host.restore(e):
+                return
             log.error("retained block %s lost: its spill failed and the host tier has no room for it",
                       e.key.hash.hex()[:16])
         self._abandon_spill(e)
 
     def _abandon_spill(self, e: Entry) -> None:
-        """Give back the disk room of a spill that will not be written; drop the block if
-        nothing else holds its bytes. Idempotent: the writer may find it abandoned already."""
+        """Give back the disk room of a spill that will not be written; drop the block if it is no
+        longer in the host tier. Idempotent: the writer may find it abandoned already."""
         assert self.disk is not None
         if self.segments is not None and e.disk_loc >= 0 and e.disk == DiskState.QUEUED:
             if e.disk_loc not in self._writing:  # a write in flight settles its own slot
                 self.segments.cancel(e.disk_loc)
                 e.disk_loc = -1
         self.disk.unreserve(e)
-        e.spill_buf = None
-        if e.host_buf is None:
-            self._forget(e)
+        if e.spilling or not e.in_memory or e.release_pending:
+            self.host.release(e)
+            if e.disk == DiskState.NONE:
+                self._forget(e)
 
     def _apply_disk_plan(self, plan: list[Victim]) -> None:
         for v in plan:
@@ -475,7 +483,7 @@ class Tiers:
         else:
             # unlink now, on the loop thread: a later spill of the same key reuses this path
             self.io.remove(path)
-        if e.host_buf is None and e.spill_buf is None:
+        if not e.in_memory or e.spilling or e.release_pending:
             self._forget(e)
 
     async def read_from_disk(self, e: Entry, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -546,8 +554,7 @@ class Tiers:
     def remove(self, e: Entry) -> None:
         """Forget e everywhere (admin evict, discard). A queued spill is cancelled; a write
         already in progress removes its file when it finishes."""
-        if e.host_buf is not None:
-            self.host.remove(e)
+        self.host.release(e)
         if e.disk != DiskState.NONE:
             self._drop_disk_copy(e)
         self._forget(e)

@@ -194,6 +194,8 @@ BAD_REQUESTS: list[tuple[str, Callable[[Ctx], object], grpc.StatusCode, str]] = 
     ("prefetch oversize batch",
      lambda c: call(c, "Prefetch", hashes=[h(k) for k in range(17)]),
      EXHAUSTED, "exceeds max_batch_blocks"),
+    # the receive limit follows max_batch_blocks: gRPC refuses this before anything parses it
+    ("store message larger than any valid one", lambda c: store(c, many(60_000)), EXHAUSTED, "larger than max"),
     ("store unknown session", lambda c: store(c, refs((h(1), 0)), session_id="0" * 32),
      NOT_FOUND, "unknown or closed session"),
     ("load empty session id", lambda c: load(c, refs((h(1), 0)), session_id=""),

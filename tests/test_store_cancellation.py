@@ -65,13 +65,13 @@ def gated_gather(monkeypatch):
     """Engine-pool gathers (the Store's copy) wait at a gate, in their copy thread."""
     gate = Gate()
     gate.open.set()
-    real = ShmEngineMemory.gather_with_checksums
+    real = ShmEngineMemory.gather_into
 
-    def slow(self, block_ids):
+    def slow(self, block_ids, arena, offsets):
         gate.wait()
-        return real(self, block_ids)
+        return real(self, block_ids, arena, offsets)
 
-    monkeypatch.setattr(ShmEngineMemory, "gather_with_checksums", slow)
+    monkeypatch.setattr(ShmEngineMemory, "gather_into", slow)
     return gate
 
 

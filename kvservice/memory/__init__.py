@@ -1,0 +1,1 @@
+"""Host memory the daemon owns (the host arena) and engine pool mappings."""

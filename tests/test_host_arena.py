@@ -1,0 +1,123 @@
+"""The host arena (DESIGN §2): the host tier's memory is allocated once at start and addressed by
+slot, so the daemon holds its configured capacity plus a fixed overhead whatever the traffic.
+
+Unit: slots, segments shared by block sizes, the eviction planner's "what would fit" answer.
+Core: a Store's bytes land in arena slots and a Load reads them back from there.
+Daemon: with one block of every stored batch kept hot (what grew the old slab-based daemon by
+16 MiB a round without limit), the daemon's RSS stays at its start-up RSS plus a small bound.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from kvservice.memory.host_arena import HostArena, runs
+from kvservice.types import LoadStatus, StoreStatus
+from tests.corekit import BLOCK, Engine, Pool, content, small_config, started_cache
+from tests.daemon_kit import Daemon
+from tests.engine_kit import EngineProc
+
+KiB, MiB = 1 << 10, 1 << 20
+STORED, LOADED = 1, 1
+
+
+def test_slots_come_lowest_first_and_go_back():
+    arena = HostArena(64 * KiB, segment_bytes=16 * KiB)
+    a = arena.alloc(4 * KiB, 6)
+    assert a == [0, 4096, 8192, 12288, 16384, 20480]  # two segments, in order
+    assert runs(a, 4 * KiB) == [(0, 6, 0)]
+    assert arena.placeable(4 * KiB) == 10 and arena.used_bytes == 24 * KiB
+    arena.free([4096, 16384], 4 * KiB)
+    assert arena.alloc(4 * KiB, 2) == [4096, 16384]
+    assert arena.alloc(4 * KiB, 11) is None  # all or nothing
+    assert arena.placeable(4 * KiB) == 10
+    arena.close()
+
+
+def test_block_sizes_share_the_capacity_through_segments():
+    """A segment serves one block size while it holds any slot; emptied, it serves any size."""
+    arena = HostArena(64 * KiB, segment_bytes=16 * KiB)
+    small = arena.alloc(4 * KiB, 8)  # segments 0 and 1
+    assert arena.placeable(8 * KiB) == 4  # segments 2 and 3, two 8 KiB slots each
+    big = arena.alloc(8 * KiB, 4)
+    assert arena.placeable(8 * KiB) == 0 and arena.placeable(4 * KiB) == 0
+    # planning: freeing 4 KiB slots helps an 8 KiB block only when a whole segment empties
+    freed: dict[int, int] = {}
+    assert [arena.slot_freeing(o, 4 * KiB, 8 * KiB, freed) for o in small[:4]] == [0, 0, 0, 2]
+    arena.free(small[:4], 4 * KiB)
+    assert arena.placeable(8 * KiB) == 2 and arena.placeable(4 * KiB) == 4
+    assert arena.alloc(8 * KiB, 2) == [0, 8192]
+    arena.free(big, 8 * KiB)
+    assert arena.used_bytes == 16 * KiB + 16 * KiB
+    arena.close()
+
+
+def test_the_arena_is_faulted_in_at_start():
+    """Scenario: 64 MiB arena: its pages are resident right after construction (no first-Store
+    page faults), and it says how long that took."""
+    def rss_kib() -> int:
+        return int(next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmRSS")).split()[1])
+    before = rss_kib()
+    arena = HostArena(64 * MiB)
+    assert rss_kib() - before >= 60 * 1024
+    assert arena.start_seconds >= 0
+    arena.close()
+
+
+async def test_stores_land_in_slots_and_loads_read_them_back(tmp_path):
+    """Scenario: a Store's blocks are copied into arena slots (the host tier's used bytes are the
+    slots taken), and a Load gives the exact bytes back, also after their slots were reused."""
+    async with started_cache(small_config(tmp_path)) as cache:
+        pool = Pool()
+        eng = Engine(cache, pool)
+        assert [r.status for r in await eng.store([0, 1])] == [StoreStatus.STORED] * 2
+        arena = cache.arena
+        slots = sorted(e.slot for e in cache.tiers.index.values())
+        assert slots == [0, BLOCK] and arena.used_bytes == cache.tiers.host.used_bytes == 2 * BLOCK
+        assert bytes(arena.row(slots[0], BLOCK).numpy()) in (content(0), content(1))
+        for round_ in range(4):  # churn: 4-block tier, 8 more blocks a round
+            await eng.store(list(range(10 + 8 * round_, 14 + 8 * round_)))
+        await cache.tiers.drain()
+        assert [r.status for r in await eng.load([10 + 24, 11 + 24])] == [LoadStatus.LOADED] * 2
+        assert cache.audit() == [] and arena.used_bytes == cache.tiers.host.used_bytes <= arena.capacity_bytes
+        pool.close()
+
+
+def rss_bytes(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(l for l in status.splitlines() if l.startswith("VmRSS")).split()[1]) * 1024
+
+
+FIXED_OVERHEAD = 48 * MiB  # what the daemon may grow by over its start-up RSS (which holds the arena)
+
+
+@pytest.mark.parametrize("host", ["32MiB"])
+def test_daemon_memory_stays_bounded_with_one_block_of_every_batch_kept_hot(host):
+    """Scenario: a daemon with a 32 MiB host tier (no disk); an engine stores 60 batches of 16
+    blocks of 64 KiB (1 MiB a batch, 60 MiB in all) and loads block 0 of every batch so far, each
+    round, so one block of every batch stays hot. The daemon's RSS after the 60 rounds exceeds
+    its RSS at start (arena faulted in) by less than FIXED_OVERHEAD, and the last batch and the
+    hot blocks load byte-exact."""
+    with Daemon(host_capacity=host, disk_capacity=0) as d:
+        with EngineProc(d.target, "--blocks", "48", "--block-bytes", str(64 * KiB)) as eng:
+            r = eng.call("store", numbers=[99])
+            assert r["status"] == [STORED]
+            start = rss_bytes(d.proc.pid)
+            assert start >= 32 * MiB, "the arena is resident from the start"
+            hot: list[int] = []
+            for round_ in range(60):
+                batch = list(range(1000 + 16 * round_, 1016 + 16 * round_))
+                assert eng.call("store", numbers=batch)["status"] == [STORED] * 16
+                hot.append(batch[0])
+                r = eng.call("load", numbers=hot[-24:], slots=list(range(16, 16 + min(24, len(hot)))))
+                assert all(r["exact"][k] for k, s in enumerate(r["status"]) if s == LOADED)
+            grown = rss_bytes(d.proc.pid) - start
+            assert grown < FIXED_OVERHEAD, f"daemon RSS grew by {grown / MiB:.0f} MiB"
+            r = eng.call("load", numbers=batch)
+            assert r["status"] == [LOADED] * 16 and all(r["exact"])
+        host_row = {t.name: t for t in d.stats().tiers}["host"]
+        assert host_row.used_bytes <= 32 * MiB
+        assert "Traceback" not in d.log()
