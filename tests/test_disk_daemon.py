@@ -236,6 +236,10 @@ async def test_a_disk_gone_read_only_keeps_retained_blocks_in_host_memory(monkey
                 rs = await client.load([h(i) for i in stored_retained], [64 + k for k in range(len(stored_retained))])
                 assert [r.status for r in rs] == [LOADED] * len(stored_retained)
                 more = await store(client, list(range(40, 56)), ttl=3600.0)
+                await srv.cache.tiers.drain()
+                assert srv.cache.audit() == []  # no room, pin or half-made entry left by the failed spills
+                on_disk = [e for e in srv.cache.tiers.index.values() if e.disk == 2]
+                assert srv.cache.tiers.segments.store.stats()["blocks"] == len(on_disk)
                 refused = [r for r in more if r.status == NOT_STORED]
                 assert refused and all("disk tier cannot be written" in r.message and "read-only" in r.message
                                        for r in refused), refused[:1]
