@@ -17,7 +17,7 @@ if [[ -z ${SKIP_WHEELS:-} ]] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl || exit 1
 fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader; nproc; df -hT "$DISK_DIR"
-timeout 420 python3 bench/disk_tier.py --dir "$DISK_DIR" --pool cuda --total 4GiB --raw-bytes 2GiB \
+timeout 480 python3 bench/disk_tier.py --dir "$DISK_DIR" --pool cuda --total 2GiB --raw-bytes 1GiB \
   --restart-blocks 1000000 --out "$OUT/disk_tier.json"
-KVSERVICE_DISK_FORMAT=segments timeout 150 python3 bench/gpu_bandwidth.py --disk-dir "$DISK_DIR" --skip datapath,host \
+KVSERVICE_DISK_FORMAT=segments timeout 100 python3 bench/gpu_bandwidth.py --disk-dir "$DISK_DIR" --skip datapath,host \
   --out "$OUT/gpu_bandwidth_segments.json"
