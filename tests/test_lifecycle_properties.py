@@ -1,0 +1,139 @@
+"""Property test of the block lifecycle under cancellation (DESIGN §5, "Lifecycle"): random
+interleavings of Stores, Loads and Prefetches that run concurrently and are cancelled after a
+random number of event-loop steps, with evictions, clock advances (lease and prefetch-lease
+reaping) and session closes between them. After every step, once the copy threads and disk
+writes have settled, BlockCache.audit() is clean: nothing half-made, nothing pinned, no lease
+without an open session, each tier's and the arena's room equal to the bytes its blocks hold;
+and every block a Load reports LOADED has exactly the bytes stored under its hash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from kvservice.clock import FakeClock
+from kvservice.types import CacheError, LoadStatus, StoreStatus
+from tests.corekit import Engine, Pool, h, small_config, started_cache
+
+NUMBERS = st.lists(st.integers(0, 11), min_size=1, max_size=4, unique=True)
+OPS = st.lists(st.tuples(st.sampled_from(["store", "store_ttl", "load", "prefetch"]), NUMBERS), min_size=1, max_size=3)
+
+
+class LifecycleMachine(RuleBasedStateMachine):
+    @initialize(policy=st.sampled_from(["wait", "shed"]), disk=st.booleans())
+    def start(self, policy: str, disk: bool) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.tmp = Path(tempfile.mkdtemp())
+        self.clock = FakeClock()
+        cfg = small_config(self.tmp, host_capacity_bytes=3 * 4096, disk_capacity_bytes=(6 * 4096) if disk else 0,
+                           write_queue_depth=1, writer_threads=1, write_queue_policy=policy,
+                           lease_seconds=30.0, pin_lease_seconds=5.0, prefetch_share=0.5)
+        self.ctx = started_cache(cfg, self.clock)
+        self.cache = self.loop.run_until_complete(self.ctx.__aenter__())
+        self.pool = Pool(num_blocks=16)
+        self.eng = Engine(self.cache, self.pool)
+
+    def run(self, coro):
+        return self.loop.run_until_complete(coro)
+
+    async def _settle(self) -> None:
+        """Until every copy thread is idle (a cancelled call's rollback runs when its copy ends)
+        and every disk write is done."""
+        loop = asyncio.get_running_loop()
+        pool = self.cache._copy_pool
+        barrier = threading.Barrier(pool._max_workers)
+        for _ in range(2):
+            await self.cache.tiers.drain()
+            await asyncio.gather(*(loop.run_in_executor(pool, barrier.wait) for _ in range(pool._max_workers)))
+            barrier.reset()
+            for _ in range(5):
+                await asyncio.sleep(0)
+
+    def _reopen_if_closed(self) -> None:
+        try:
+            self.cache.heartbeat(self.eng.sid)
+        except CacheError:  # reaped: the engine opens a new session, as engine_client would
+            self.eng = Engine(self.cache, self.pool)
+
+    @rule(ops=OPS, steps=st.integers(0, 12))
+    def concurrent_calls_cancelled_after_some_steps(self, ops, steps):
+        async def go():
+            tasks = []
+            for op, nums in ops:
+                if op == "store":
+                    tasks.append(asyncio.ensure_future(self.eng.store(nums)))
+                elif op == "store_ttl":
+                    tasks.append(asyncio.ensure_future(self.eng.store(nums, ttl=60.0)))
+                elif op == "load":  # Engine.load checks the bytes of every LOADED block
+                    tasks.append(asyncio.ensure_future(self.eng.load(nums)))
+                else:
+                    tasks.append(asyncio.ensure_future(self.cache.prefetch(self.eng.sid, [h(i) for i in nums])))
+            for _ in range(steps):
+                await asyncio.sleep(0)
+            for t in tasks:
+                t.cancel()
+            for (op, _), t in zip(ops, tasks):
+                try:
+                    res = await t
+                except asyncio.CancelledError:
+                    continue
+                if op.startswith("store"):
+                    assert all(r.status != StoreStatus.FAILED for r in res), [r.message for r in res]
+                elif op == "load":
+                    assert all(r.status in (LoadStatus.LOADED, LoadStatus.MISSING) for r in res), [r.message for r in res]
+            await self._settle()
+        self.run(go())
+
+    @rule(nums=NUMBERS)
+    def store(self, nums):
+        self.run(self.eng.store(nums))
+        self.run(self._settle())
+
+    @rule(seconds=st.sampled_from([1.0, 6.0, 40.0]))
+    def advance_and_reap(self, seconds):
+        if seconds < 30:
+            self._reopen_if_closed()  # a heartbeat (or a new session if the last one was reaped)
+        self.clock.advance(seconds)
+
+        async def reap():  # on the cache's loop: closing a session starts its unmapping there
+            self.cache.reap_sessions()
+            await self._settle()
+            await asyncio.gather(*self.cache._background, return_exceptions=True)
+        self.run(reap())
+        self._reopen_if_closed()
+
+    @rule()
+    def close_and_reopen(self):
+        self.run(self.cache.close_session(self.eng.sid))
+        self.run(self._settle())
+        self.eng = Engine(self.cache, self.pool)
+
+    @rule()
+    def evict_all(self):
+        self.run(self.cache.evict(all=True))
+
+    @invariant()
+    def audit_is_clean(self):
+        if hasattr(self, "cache"):
+            self.run(self._settle())
+            assert self.cache.audit() == []
+
+    def teardown(self):
+        if hasattr(self, "ctx"):
+            self.run(self.ctx.__aexit__(None, None, None))
+            self.pool.close()
+            self.loop.close()
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+LifecycleMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=20, deadline=None,
+                                              suppress_health_check=[HealthCheck.too_slow])
+test_lifecycle_properties = LifecycleMachine.TestCase
