@@ -320,7 +320,7 @@ class BlockCache:
         fit, offsets = 0, None
         for attempt in range(4):  # a concurrent Store may take the slots our spills freed: plan again
             fit, spills = t.make_host_room(size, len(new) if attempt == 0 else fit, now)
-            wait = t.room_after(spills, now) if spills else None
+            wait = t.room_after(spills, now, size, fit) if spills else None
             if fit and wait is not None:
                 # the spills belong to the tiers, not to this call: cancelling the Store must not abandon them
                 await asyncio.shield(wait)

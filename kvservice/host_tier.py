@@ -156,13 +156,14 @@ class HostTier:
         if w is not None and not w.done():
             w.set_result(None)
 
-    def freed(self, entries: Sequence[Entry]) -> asyncio.Future | None:
-        """Resolves once every one of entries that still holds tier capacity (not staged) has given
-        its slot back (spill written or abandoned)."""
+    def freed(self, entries: Sequence[Entry], staged_too: bool = False) -> asyncio.Future | None:
+        """Resolves once every one of entries that still holds tier capacity (not staged; with
+        staged_too, every one that still holds an arena slot) has given its slot back (spill written
+        or abandoned)."""
         loop = asyncio.get_running_loop()
         waits = []
         for e in entries:
-            if e.slot >= 0 and not e.staged:
+            if e.slot >= 0 and (staged_too or not e.staged):
                 w = self._waiters.get(id(e))
                 if w is None:
                     w = self._waiters[id(e)] = loop.create_future()

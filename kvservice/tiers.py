@@ -226,13 +226,16 @@ class Tiers:
         spills = [v for v in victims if self._evict_from_host(v, now)]
         return fit, spills
 
-    def room_after(self, spills: list[Entry], now: float) -> asyncio.Future | None:
+    def room_after(self, spills: list[Entry], now: float, block_bytes: int = 0, fit: int = 0) -> asyncio.Future | None:
         """Queue the spills make_host_room chose; returns what to wait for before their room can be
         taken (None: nothing): queue room under the "wait" policy, and the writes of victims that
-        found the spill staging budget full. The work is the tiers' own: a caller awaiting this
-        through asyncio.shield may be cancelled without abandoning a spill."""
+        found the spill staging budget full. When the `fit` blocks of block_bytes need the very
+        slots the victims hold (another block size: a whole segment must empty first), the writes
+        of staged victims too. The work is the tiers' own: a caller awaiting this through
+        asyncio.shield may be cancelled without abandoning a spill."""
+        slots_needed = fit > 0 and self.host.arena.placeable(block_bytes) < fit
         pending = self.spill(spills, now)
-        freed = self.host.freed(spills)
+        freed = self.host.freed(spills, staged_too=slots_needed)
         waits = [f for f in (pending, freed) if f is not None]
         if not waits:
             return None
@@ -370,7 +373,7 @@ class Tiers:
         fit, spills = self.make_host_room(e.size, 1, now)
         if not fit:
             return False
-        wait = self.room_after(spills, now)
+        wait = self.room_after(spills, now, e.size, 1)
         if wait is not None:
             await asyncio.shield(wait)
         return self.onboard(e, buf)

@@ -381,3 +381,21 @@ def test_a_batch_larger_than_the_host_tier_says_why_its_tail_was_not_stored():
         assert all(t.pinned_blocks == 0 for t in d.stats().tiers)
         for r in results[stored:]:
             assert r.message and "pinned" not in r.message, r.message
+
+
+def test_a_second_block_size_gets_room_in_a_host_tier_of_one_segment() -> None:
+    """Scenario: two models with different block sizes share a daemon whose host tier is one arena
+    segment. Engine A's 64 KiB blocks hold the segment; engine B's 32 KiB blocks can only be placed
+    once all of A's blocks have left it (spilled to disk, including those on the spill-staging
+    budget). B's Store must wait for those spills, not be refused; afterwards both engines load
+    their blocks back byte-exact (A's from disk)."""
+    with Daemon(host_capacity="4MiB", disk_capacity="8MiB") as d, \
+            EngineProc(d.target, "--blocks", "64", "--block-bytes", str(64 << 10), "--model", "big") as a:
+        assert a.call("store", numbers=list(range(40)))["status"] == [STORED] * 40
+        with EngineProc(d.target, "--blocks", "64", "--block-bytes", str(32 << 10), "--model", "small") as b:
+            r = b.call("store", numbers=list(range(100, 110)))
+            assert r["status"] == [STORED] * 10, r["message"]
+            r = b.call("load", numbers=list(range(100, 110)))
+            assert r["status"] == [LOADED] * 10 and all(r["exact"])
+        r = a.call("load", numbers=list(range(8)))
+        assert r["status"] == [LOADED] * 8 and all(r["exact"]) and set(r["tier"]) == {DISK}
