@@ -10,13 +10,11 @@ import errno
 import os
 import shutil
 import sqlite3
-import subprocess
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from engine_client import AsyncKVClient, Namespace, ShmKVPool
 from kvservice.clock import FakeClock
@@ -29,6 +27,7 @@ from kvservice.disk.segment import segment_name
 from tests.corekit import content, h
 from tests.daemon_kit import Daemon, short_tmpdir
 from tests.engine_kit import EngineProc
+from harness.wait import wait_until
 from test_disk_faults import files_bytes, small_fs  # noqa: F401 (fixture)
 
 LOADED, MISSING, FAILED = 1, 2, 3
@@ -38,14 +37,6 @@ HOST, DISK = 2, 3
 SEGMENTS = ["--disk-format", "segments"]
 
 
-def wait_until(predicate, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def settled(d: Daemon) -> bool:

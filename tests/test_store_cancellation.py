@@ -25,6 +25,7 @@ from kvservice.types import LoadStatus, StoreStatus, Tier
 from tests.corekit import Engine, Pool, small_config, started_cache
 from tests.daemon_kit import Daemon
 from tests.engine_kit import EngineProc
+from harness.wait import wait_until
 
 STORED = 1
 
@@ -227,15 +228,7 @@ def eng_hash(i: int) -> bytes:
 
 
 def wait_for(predicate, what: str, timeout: float = 10.0):
-    import time
-
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    return wait_until(predicate, timeout, what)
 
 
 def host_row(d: Daemon):
