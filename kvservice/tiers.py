@@ -233,7 +233,8 @@ class Tiers:
         slots the victims hold (another block size: a whole segment must empty first), the writes
         of staged victims too. The work is the tiers' own: a caller awaiting this through
         asyncio.shield may be cancelled without abandoning a spill."""
-        slots_needed = fit > 0 and self.host.arena.placeable(block_bytes) < fit
+        slots_needed = (fit > 0 and any(v.size != block_bytes for v in spills)
+                        and self.host.arena.placeable(block_bytes) < fit)
         pending = self.spill(spills, now)
         freed = self.host.freed(spills, staged_too=slots_needed)
         waits = [f for f in (pending, freed) if f is not None]
