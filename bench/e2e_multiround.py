@@ -91,6 +91,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-reuse-warmup", type=int, default=0, help="warm-up requests per engine [fill the GPU tier]")
     p.add_argument("--no-reuse-half-seconds", type=float, default=0.0, help="[8 on CUDA, 3 on CPU]")
     p.add_argument("--io-backend", default="auto")
+    p.add_argument("--max-prefill-tokens", type=int, default=16384,
+                   help="every runner's per-step prefill budget (model_runner --max-prefill-tokens; 0: none)")
+    p.add_argument("--disk-host-prompts", type=float, default=2.0,
+                   help="daemon D's host tier, in last-round prompts")
+    p.add_argument("--prefetch-share", type=float, default=0.0,
+                   help="daemon D's prefetch_share (host-tier fraction one session's prefetch leases may pin) "
+                        "[the daemon's default]")
+    p.add_argument("--disk-format", default="", help="daemon D's disk_format (files | segments) [the daemon's default]")
     p.add_argument("--cold-disk", action=argparse.BooleanOptionalAction, default=True,
                    help="posix_fadvise(DONTNEED) daemon D's block files twice a second, so that disk hits read "
                         "the device rather than the page cache (a disk tier much larger than RAM)")
@@ -161,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     t0 = time.monotonic()
     shape = shape_of(a)
-    settings = tier_settings(shape)
+    settings = tier_settings(shape, a.disk_host_prompts)
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[a.dtype]
     bb = PRESETS[a.model].kv_bytes_per_token(dtype_bytes) * TPB
     names = [n for n in RUN_ORDER if (not a.configs or n in a.configs.split(","))
@@ -184,8 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for key in daemon_keys:
             st = settings[DAEMON_SETTING[key]]
+            denv = {}
+            if key == "D" and a.prefetch_share:
+                denv["KVSERVICE_PREFETCH_SHARE"] = str(a.prefetch_share)
+            if key == "D" and a.disk_format:
+                denv["KVSERVICE_DISK_FORMAT"] = a.disk_format
             d = Daemon(work, tag=key, host_capacity=st.host_blocks * bb, disk_capacity=st.disk_blocks * bb,
-                       io_backend=a.io_backend, lease_seconds=None, log_level="warning")
+                       io_backend=a.io_backend, lease_seconds=None, log_level="warning", env=denv or None)
             d.log_path = out / "logs" / f"daemon-{key}.log"
             ctx.daemons[key] = d.start(timeout=180)
             log(f"daemon {key}: host {st.host_blocks * bb >> 20} MiB, disk {st.disk_blocks * bb >> 20} MiB, "
@@ -202,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                 ["--service", service, "--model", a.model, "--device", a.device, "--dtype", a.dtype,
                  "--tokens-per-block", str(TPB), "--gpu-blocks", str(st.gpu_blocks),
                  "--prefetch-reqs", str(spec.prefetch), "--load-policy", a.load_policy,
+                 "--max-prefill-tokens", str(a.max_prefill_tokens),
                  "--client-name", f"e2e-{key}", "--log-level", "warning",
                  "--served-model-name", a.served_name, f"{a.served_name}-alias"],
                 log_path=out / "logs" / f"engine-{key}.log", env=env)

@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens-per-block", type=int, default=d.tokens_per_block)
     p.add_argument("--gpu-blocks", type=int, default=d.num_gpu_blocks, help="GPU-tier KV pool size, in blocks")
     p.add_argument("--max-running", type=int, default=d.max_running, help="requests decoding at once")
+    p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens,
+                   help="prompt tokens one step admits for computing (at least one request); 0: no limit")
     p.add_argument("--prefetch-reqs", type=int, default=d.prefetch_reqs,
                    help="queued requests to prefetch for; 0 disables")
     p.add_argument("--no-write-through", dest="write_through", action="store_false",
@@ -59,13 +61,16 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             raise ValueError(f"{flag} must be >= 1")
     if args.prefetch_reqs < 0:
         raise ValueError("--prefetch-reqs must be >= 0")
+    if args.max_prefill_tokens < 0:
+        raise ValueError("--max-prefill-tokens must be >= 0")
     if not 0 <= args.port <= 65535:
         raise ValueError("--port must be in 0..65535")
     if args.device != "cpu" and not args.device.startswith("cuda"):
         raise ValueError("--device must be cpu, cuda or cuda:N")
     return EngineConfig(model=args.model, seed=args.seed, dtype=args.dtype, device=args.device,
                         tokens_per_block=args.tokens_per_block, num_gpu_blocks=args.gpu_blocks,
-                        max_running=args.max_running, prefetch_reqs=args.prefetch_reqs,
+                        max_running=args.max_running, max_prefill_tokens=args.max_prefill_tokens,
+                        prefetch_reqs=args.prefetch_reqs,
                         write_through=args.write_through, load_policy=args.load_policy, service=args.service)
 
 

@@ -43,6 +43,7 @@ class EngineConfig:
     tokens_per_block: int = 16
     num_gpu_blocks: int = 256  # GPU-tier KV pool size, in blocks
     max_running: int = 8  # requests decoding at once
+    max_prefill_tokens: int = 0  # prompt tokens one step admits for computing (>= 1 request); 0: no limit
     prefetch_reqs: int = 4  # queued requests to prefetch for; 0 disables
     write_through: bool = True  # store finished prefills to the service right away
     load_policy: str = "auto"  # "auto": load or recompute by measured cost | "always" | "never"

@@ -68,6 +68,8 @@ def check_config(cfg: EngineConfig) -> None:
     for name in ("tokens_per_block", "num_gpu_blocks", "max_running"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.max_prefill_tokens < 0:
+        raise ValueError(f"max_prefill_tokens must be >= 0, got {cfg.max_prefill_tokens}")
     if cfg.prefetch_reqs < 0:
         raise ValueError(f"prefetch_reqs must be >= 0, got {cfg.prefetch_reqs}")
 
@@ -136,6 +138,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
         self._fail_all(RuntimeError("engine stopped"))
+        self.sched.close()
         concurrent.futures.wait(self.sched.pending_stores(), timeout=5.0)
         if self.client is not None:
             self.client.close()

@@ -35,7 +35,14 @@ class EngineMetrics:
         self.parked = gauge("parked_requests", "Requests waiting for their KV blocks to load")
         self.running = gauge("running_requests", "Requests prefilling or decoding")
         self.waiting = gauge("waiting_requests", "Requests queued for admission")
-        self.prefetches = counter("prefetches", "Prefetches issued for queued requests")
+        self.prefetches = counter("prefetches", "Prefetch jobs (a request's disk blocks, staged in chunks) issued "
+                                  "for queued requests")
+        self.lookup_seconds = prom.Histogram("model_runner_lookup_seconds",
+                                             "Lookup round trips, sent at enqueue -> answer landed",
+                                             buckets=_TTFT_BUCKETS, registry=r)
+        self.lookup_wait = prom.Histogram("model_runner_lookup_wait_seconds",
+                                          "Time a request at the head of the queue waited for its Lookup's answer",
+                                          buckets=_TTFT_BUCKETS, registry=r)
         self.prefetched_blocks = counter("prefetched_blocks", "Prefetch answers per block", ("status",))
         self.decisions = counter("load_decisions", "Load-or-recompute decisions for prefixes the service holds",
                                  ("decision",))

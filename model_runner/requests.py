@@ -19,6 +19,7 @@ import torch
 
 from kvservice.types import BlockHash
 from kvservice.v1 import kvcache_pb2
+from model_runner.prefetcher import PrefetchJob
 from model_runner.radix import BlockId, Node
 
 _END = object()  # closes a handle's token stream
@@ -136,6 +137,7 @@ class Seq:
     lookup: concurrent.futures.Future[tuple[int, list[int]]] | None = None  # sent at enqueue, read at admission
     lookup_from: int = 0  # the block the in-flight Lookup starts at
     lookup_sent: float = 0.0  # monotonic time the Lookup was sent (its patience counts from here)
+    lookup_wait_since: float = 0.0  # when admission first waited for the answer (0: it did not)
     lookup_refreshed: bool = False  # a stale answer was asked again once, when the request reached the head
     table: list[BlockId] = field(default_factory=list)  # block of each position // tpb, whole budget
     held: list[Node] = field(default_factory=list)  # radix nodes this request holds a reference on
@@ -145,7 +147,9 @@ class Seq:
     cached_by_tier: dict[str, int] = field(default_factory=lambda: {"gpu": 0, "host": 0, "disk": 0})
     kv_source: str = "none"
     load: PendingLoad | None = None
-    prefetched: bool = False
+    prefetched: bool = False  # prefetch() decided about this request (once)
+    prefetch_job: PrefetchJob | None = None  # staging its disk blocks while it is queued
+    planned_prefill: int = 0  # prompt tokens admission left to compute (not a GPU hit, not loaded)
     stored_blocks: int = 0  # leading full blocks already written through
     output: list[int] = field(default_factory=list)
     t_first: float = 0.0

@@ -12,13 +12,16 @@ Per loop iteration the engine calls:
   admit()         waiting -> parked or running, in arrival order, up to max_running:
                   GPU radix hit -> the Lookup's answer for the rest -> load or recompute (CostModel)
                   -> allocate (evict LRU leaves, offload them before reuse) -> submit_load, park
-  prefetch()      Prefetch for the first N still-waiting requests whose Lookup found blocks on disk, once each
+  prefetch()      for the first N still-waiting requests whose Lookup found blocks on disk, once each: a
+                  prefetcher.py job that stages them head first in chunks, off the loop thread
   poll_parked()   parked -> running once the Load finished; recompute from the first block not loaded
 and, around the model step, prefilled(seq) and finish(seq): full blocks into the radix tree,
 write-through Store (with the request's TTL), references and blocks released.
 
 A request reserves blocks for its whole budget (prompt + max_tokens) at admission, so a running
-request never waits for memory and nothing needs preempting.
+request never waits for memory and nothing needs preempting. With max_prefill_tokens, one iteration
+admits requests until that many prompt tokens are to be computed (at least one request): the rest
+stay queued -- prefetchable -- instead of waiting inside one long step of back-to-back prefills.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from model_runner.allocator import BlockAllocator
 from model_runner.config import EngineConfig
 from model_runner.cost_model import CostModel
 from model_runner.metrics import EngineMetrics
+from model_runner.prefetcher import Prefetcher
 from model_runner.radix import BlockId, Node, RadixCache
 from model_runner.requests import PendingLoad, Phase, Seq
 
@@ -49,7 +53,8 @@ log = logging.getLogger(__name__)
 TIER_NAMES = {kvcache_pb2.TIER_HOST: "host", kvcache_pb2.TIER_DISK: "disk"}
 LOAD_POLICIES = ("auto", "always", "never")
 LOOKUP_PATIENCE_S = 1.0  # a Lookup unanswered this long counts as a miss: the request recomputes
-LOOKUP_PATIENCE_SHARE = 0.25  # ... or unanswered for this share of the prefill it could save, if less,
+LOOKUP_PATIENCE_SHARE = 0.05  # ... or unanswered for this share of the prefill it could save, if less
+# (a miss pays at most 5% of its prefill for asking, whatever the daemon is busy with),
 LOOKUP_PATIENCE_MIN_S = 0.05  # but never less than this: a busy daemon's normal answer is not a miss
 LOOKUP_REFRESH_S = 0.05  # a partial answer older than this, for a request that queued, is asked again
 LOOKUP_PATIENCE_ALWAYS_S = 10.0  # load_policy "always" asked for loads: wait for the answer, however busy the host
@@ -78,9 +83,13 @@ class Scheduler:
         self.parked: list[Seq] = []
         self.running: list[Seq] = []
         self._stores: list[tuple[concurrent.futures.Future[Any], list[Node]]] = []  # write-through in flight
-        # Hashes of cached blocks already written through: evicting one frees its block at once, with no
-        # offload Store (a second copy of bytes the daemon has) holding the block until it returns.
-        self._written: set[BlockHash] = set()
+        # Hashes of cached blocks the daemon has (written through, or loaded from it): evicting one frees
+        # its block at once, with no offload Store (a second copy of bytes the daemon has) holding the
+        # block until it returns.
+        self._in_service: set[BlockHash] = set()
+        self.prefetcher: Prefetcher | None = None
+        if client is not None:
+            self.prefetcher = Prefetcher(client, on_status=self._count_prefetched, on_chunk=wake)
 
     # --- sizes
     def blocks_needed(self, prompt_len: int, max_tokens: int) -> int:
@@ -102,13 +111,18 @@ class Scheduler:
         if start >= len(hashes):
             return
         try:
-            seq.lookup = client.submit_lookup(hashes[start:])
+            seq.lookup = fut = client.submit_lookup(hashes[start:])
         except KVClientError as err:
             log.warning("lookup not sent: %s", err)
             return
         seq.lookup_from = start
-        seq.lookup_sent = time.monotonic()
-        seq.lookup.add_done_callback(lambda _: self.wake())
+        seq.lookup_sent = sent = time.monotonic()
+
+        def answered(_: concurrent.futures.Future[Any]) -> None:
+            self.metrics.lookup_seconds.observe(time.monotonic() - sent)
+            self.wake()
+
+        fut.add_done_callback(answered)
 
     def _refresh_stale_lookup(self, seq: Seq) -> bool:
         """A request that queued behind others may find blocks stored since its enqueue-time Lookup
@@ -120,8 +134,8 @@ class Scheduler:
         if time.monotonic() - seq.lookup_sent < LOOKUP_REFRESH_S:
             return False
         stored, _ = fut.result()
-        if seq.lookup_from + stored >= self._usable_blocks(seq):
-            return False  # the answer already covers the whole prompt
+        if seq.lookup_from + stored >= self._usable_blocks(seq) and seq.prefetch_job is None:
+            return False  # the answer covers the whole prompt, and no prefetch has moved blocks since
         seq.lookup_refreshed = True
         self._send_lookup(seq)
         return seq.lookup is not fut and seq.lookup is not None
@@ -138,16 +152,24 @@ class Scheduler:
             self._stores = pending
 
     def admit(self) -> None:
+        budget = self.cfg.max_prefill_tokens
+        planned = 0
         while self.waiting and len(self.running) + len(self.parked) < self.cfg.max_running:
-            if not self._admit(self.waiting[0]):
+            if budget and planned >= budget:
+                break  # this step's prefill work is full: the rest stays queued (and prefetchable)
+            seq = self.waiting[0]
+            if not self._admit(seq):
                 break  # in order: the head waits for blocks, the rest waits behind it
             self.waiting.popleft()
+            self._end_prefetch(seq)
+            planned += seq.planned_prefill
 
     def prefetch(self) -> None:
         n = self.cfg.prefetch_reqs
         client = self.client
         if n <= 0 or client is None or self.cfg.load_policy == "never" or not client.attached:
             return
+        assert self.prefetcher is not None
         for seq in itertools.islice(self.waiting, n):
             fut = seq.lookup
             if seq.prefetched or (fut is not None and not fut.done()):
@@ -156,16 +178,13 @@ class Scheduler:
             if fut is None or fut.cancelled() or fut.exception() is not None:
                 continue
             stored, tiers = fut.result()
-            if kvcache_pb2.TIER_DISK not in tiers[:stored]:
+            first_disk = next((i for i, t in enumerate(tiers[:stored]) if t == kvcache_pb2.TIER_DISK), None)
+            if first_disk is None:
                 continue  # nothing on disk (or nothing at all): a Prefetch would be a wasted round trip
-            hashes = seq.prompt_hashes[seq.lookup_from: seq.lookup_from + stored]
-            try:
-                fut = client.submit_prefetch(hashes)
-            except KVClientError as err:
-                log.warning("prefetch not sent: %s", err)
-                return
+            # From the first disk block on (what is before it is in host memory already), head first.
+            lo = seq.lookup_from + first_disk
+            seq.prefetch_job = self.prefetcher.submit(seq.prompt_hashes[lo: seq.lookup_from + stored])
             self.metrics.prefetches.inc()
-            fut.add_done_callback(self._count_prefetch)
 
     def poll_parked(self) -> None:
         for seq in [s for s in self.parked if s.load is not None and s.load.future.done()]:
@@ -196,6 +215,8 @@ class Scheduler:
                 down = not results or any(r.message == UNREACHABLE for r in results[ok:])
                 seq.kv_source = "recomputed:service-down" if down else "recomputed:load-failed"
                 self.metrics.load_failures.inc(asked - ok)
+            if ok:
+                self._in_service.update(seq.prompt_hashes[seq.reused_blocks: seq.reused_blocks + ok])
             seq.reused_blocks += ok
             if ok:
                 self._insert(seq, seq.prompt_hashes[: seq.reused_blocks])
@@ -228,6 +249,7 @@ class Scheduler:
                 queue.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
+        self._end_prefetch(seq)
         self.radix.release(seq.held)
         if seq.load is not None and not seq.load.future.done():
             self.alloc.hold(sorted(seq.private), seq.load.future)  # the daemon may still write into them
@@ -239,6 +261,17 @@ class Scheduler:
     def pending_stores(self) -> list[concurrent.futures.Future[Any]]:
         """Write-through and offload stores in flight."""
         return [f for f, _ in self._stores] + self.alloc.held_until()
+
+    def close(self) -> None:
+        """Stop prefetching (before the client closes)."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+
+    def _end_prefetch(self, seq: Seq) -> None:
+        """The request left the queue: what its prefetch staged so far is loaded from host memory, the
+        rest is no longer staged (its Load, or its prefill, would race the reads)."""
+        if seq.prefetch_job is not None:
+            seq.prefetch_job.cancel()
 
     # --- internals: admission
     def _usable_blocks(self, seq: Seq) -> int:
@@ -267,10 +300,15 @@ class Scheduler:
         if self._refresh_stale_lookup(seq):
             return False  # its done-callback (or the deadline) wakes the loop
         if seq.lookup is not None and not seq.lookup.done():
-            if time.monotonic() < self.lookup_deadline(seq):
+            now = time.monotonic()
+            seq.lookup_wait_since = seq.lookup_wait_since or now
+            if now < self.lookup_deadline(seq):
                 return False  # its done-callback (or the deadline) wakes the loop
             seq.lookup.cancel()
             self.metrics.decisions.labels("lookup-timeout").inc()
+        if seq.lookup_wait_since:
+            self.metrics.lookup_wait.observe(time.monotonic() - seq.lookup_wait_since)
+            seq.lookup_wait_since = 0.0
         hashes = seq.prompt_hashes[: self._usable_blocks(seq)]
         hits = self.radix.match(hashes)
         self.radix.acquire(hits)  # before allocating: eviction must not take our own hit
@@ -286,6 +324,7 @@ class Scheduler:
         seq.cached_by_tier["gpu"] = m * self.tpb
         seq.kv_source = "gpu" if m else "none"
         k, tiers = self._plan_load(seq, hashes[m:])
+        seq.planned_prefill = seq.prompt_len - (m + k) * self.tpb
         if k == 0:
             self._run(seq)
             return True
@@ -373,11 +412,13 @@ class Scheduler:
 
     def _offload(self, victims: list[tuple[BlockHash, BlockId]]) -> None:
         """Store evicted blocks in the daemon; the blocks stay unusable until the bytes have left them."""
-        written = [b for h, b in victims if h in self._written]
+        has = self._in_service
+        written = [b for h, b in victims if h in has]
         if written:
-            self._written.difference_update(h for h, _ in victims)
+            has.difference_update(h for h, _ in victims)  # they leave the GPU tier
             self.alloc.free(written)  # the daemon has them already
-            victims = [(h, b) for h, b in victims if b not in set(written)]
+            written_set = set(written)
+            victims = [(h, b) for h, b in victims if b not in written_set]
             if not victims:
                 return
         blocks = [b for _, b in victims]
@@ -421,7 +462,7 @@ class Scheduler:
             log.warning("write-through not sent: %s", err)
             return
         self.radix.acquire(part)  # no eviction (and no reuse of the block) until the bytes have left
-        self._written.update(n.hash for n in part)
+        self._in_service.update(n.hash for n in part)
         fut.add_done_callback(self._store_done(reason))
         self._stores.append((fut, part))
         seq.stored_blocks = hi
@@ -437,9 +478,5 @@ class Scheduler:
             self.wake()
         return done
 
-    def _count_prefetch(self, fut: concurrent.futures.Future[list[int]]) -> None:
-        try:
-            for status in fut.result():
-                self.metrics.prefetched_blocks.labels(kvcache_pb2.PrefetchStatus.Name(status)).inc()
-        except Exception as err:  # noqa: BLE001
-            log.warning("prefetch failed: %s", err)
+    def _count_prefetched(self, status: int) -> None:  # on the prefetch thread
+        self.metrics.prefetched_blocks.labels(kvcache_pb2.PrefetchStatus.Name(status)).inc()

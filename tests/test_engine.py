@@ -17,6 +17,7 @@ from kvservice.cli import FLAGS
 from kvservice.v1 import kvcache_pb2
 from model_runner.config import EngineConfig
 from model_runner.engine import Engine, GenerationRequest, GenerationResult
+from model_runner.prefetcher import Prefetcher
 from tests.daemon_kit import Daemon
 
 TPB = 16
@@ -391,3 +392,63 @@ def test_stream_stop_ids_and_validation(engines: Callable[..., Engine]) -> None:
     with pytest.raises(ValueError):
         e.submit(GenerationRequest([]))
     assert e.health() == {"service_attached": False, "running": 0, "waiting": 0, "parked": 0}
+
+
+# --- prefetch in chunks, head first; a step's prefill budget
+
+
+@pytest.mark.parametrize("daemon", [{"host_capacity": "256KiB", "env": {"KVSERVICE_PREFETCH_SHARE": "1"}}],
+                         indirect=True)
+def test_prefetcher_stages_a_chain_head_first_in_chunks_up_to_its_first_gap(
+        daemon: Daemon, engines: Callable[..., Engine]) -> None:
+    """Scenario: a 10-block prompt pushed to disk by a 34-block one (32-block host tier). A job for its 10 hashes plus 2 the
+    daemon never saw, in chunks of 4: three Prefetch calls, 10 blocks staged (the first chunk in host
+    memory before the second is asked), the job stops at the gap; a cancelled job asks nothing."""
+    ids = tokens(60, 10 * TPB + 3)
+    a = engines(daemon.target)
+    run(a, ids, max_tokens=2)
+    run(a, tokens(61, 34 * TPB + 3), max_tokens=2)
+    a.stop()
+    wait_until(lambda: daemon.stats().counters.spills >= 12, what="spills to disk")
+    b = engines(daemon.target, prefetch_reqs=0)
+    hashes = b.sched.hasher.hash_blocks(ids[: 10 * TPB])
+    assert b.client is not None
+    _, tiers = b.client.lookup(hashes)
+    assert tiers[0] == kvcache_pb2.TIER_DISK
+    chunks: list[list[int]] = []  # tiers of the chain after each chunk
+    statuses: list[int] = []
+    p = Prefetcher(b.client, chunk_blocks=4, on_status=statuses.append,
+                   on_chunk=lambda: chunks.append(b.client.lookup(hashes)[1]))
+    try:
+        cancelled = p.submit(hashes)
+        cancelled.cancel()
+        job = p.submit(hashes + [bytes([7]) * 32, bytes([8]) * 32])
+        wait_until(lambda: job.done, what="the prefetch job")
+        assert cancelled.staged == 0
+        assert job.staged == 10 and len(chunks) == 3, (str(statuses), str(chunks))
+        assert set(chunks[0][:4]) == {kvcache_pb2.TIER_HOST}  # the head first
+        assert set(chunks[-1]) == {kvcache_pb2.TIER_HOST}
+        assert daemon.stats().counters.prefetch_staged >= 8
+    finally:
+        p.close()
+    r = run(b, ids, max_tokens=2)
+    assert r.kv_source == "loaded" and r.cached_by_tier["host"] == 10 * TPB
+    assert r.output_ids == reference(ids, 2)
+
+
+def test_a_step_admits_prompts_up_to_the_prefill_budget() -> None:
+    """Scenario: three 33-token prompts at once under a 48-token budget: the first step admits two
+    (33 < 48, then 66 >= 48), the third stays queued; all three finish with the reference tokens."""
+    prompts = [tokens(70 + i, 2 * TPB + 1) for i in range(3)]
+    e = Engine(EngineConfig(max_prefill_tokens=3 * TPB))
+    try:
+        handles = [e.submit(GenerationRequest(list(p), max_tokens=2)) for p in prompts]
+        s = e.sched
+        while e._inbox:  # the loop is not started: drive its first admission by hand
+            s.enqueue(e._inbox.popleft())
+        s.admit()
+        assert len(s.running) == 2 and len(s.waiting) == 1
+        e.start()
+        assert [h.result(timeout=30).output_ids for h in handles] == [reference(p, 2) for p in prompts]
+    finally:
+        e.stop()

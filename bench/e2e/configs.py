@@ -3,7 +3,7 @@
 Two tier settings, sized from the workload (workload.Shape) and the model's block bytes:
 - host: the host tier holds every active user's history (1.3 x the working set; several times the
   GPU tier, as deployed); no disk tier.
-- disk: a host tier of 2 prompts' worth and a disk tier: the working set is larger than GPU + host,
+- disk: a host tier of --disk-host-prompts prompts' worth (2) and a disk tier: the working set is larger than GPU + host,
   so a returning user's history is partly or wholly on disk, and prefetch for queued requests matters.
 Every engine has the same GPU tier (3 prompts' worth), so the recompute-only engine keeps its own
 GPU-tier prefix hits (the shared system prompt, a user's history while it is still resident).
@@ -61,9 +61,9 @@ CONFIGS: dict[str, Config] = {
 RUN_ORDER = ["recompute", "host", "disk_p4", "disk_p0", "no_reuse", "lmb_completions", "lmb_chat"]
 
 
-def tier_settings(shape: Shape) -> dict[str, TierSetting]:
+def tier_settings(shape: Shape, disk_host_prompts: float = 2.0) -> dict[str, TierSetting]:
     prompt_blocks = -(-(shape.prompt_len(shape.rounds - 1) + shape.answer) // TPB)
     ws_blocks = -(-shape.working_set_tokens() // TPB)
     gpu = 3 * prompt_blocks
     return {"host": TierSetting("host", gpu, ws_blocks * 13 // 10, 0),
-            "disk": TierSetting("disk", gpu, 2 * prompt_blocks, 2 * ws_blocks)}
+            "disk": TierSetting("disk", gpu, int(disk_host_prompts * prompt_blocks), 2 * ws_blocks)}

@@ -73,6 +73,8 @@ def metrics_delta(after: dict[str, float], before: dict[str, float]) -> dict[str
                 out[k] = v - before.get(k, 0.0)
         elif k.startswith(("model_runner_load_bandwidth", "model_runner_prefill_tokens_per_second")):
             out[k] = v
+        elif k.startswith("model_runner_lookup") and k.endswith(("_sum", "_count")):
+            out[k] = v - before.get(k, 0.0)  # Lookup round trips and the head's waits for them
     return out
 
 
