@@ -15,6 +15,7 @@ Moves between tiers live in tiers.Tiers; the policies in eviction and retention.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import os
 import time
@@ -67,6 +68,9 @@ class BlockCache:
         self._sessions = SessionTable(config.lease_seconds, config.max_sessions, config.max_sessions_per_uid)
         self._leases: dict[BlockKey, tuple[Entry, bool]] = {}  # prefetch leases: entry, staged from disk
         self._leased_bytes: dict[SessionId, int] = {}  # bytes of each session's running leases
+        self._leased_total = 0  # bytes of all running leases
+        self._lease_expiry: list[tuple[float, int, BlockKey]] = []  # heap of (until, seq, key); stale ones skipped
+        self._lease_seq = 0
         self._copy_pool = ThreadPoolExecutor(4, thread_name_prefix="kv-copy")
         self._store_latency = Histogram("store")
         self._load_latency = Histogram("load")
@@ -126,6 +130,10 @@ class BlockCache:
             if self._stopping:
                 raise CacheError(ErrorCode.UNAVAILABLE, "daemon is shutting down")
             self._sessions.check_room(peer.uid)
+            if self.arena.max_slots(pool.block_bytes) == 0:
+                raise CacheError(ErrorCode.FAILED_PRECONDITION,
+                                 f"a block of {pool.block_bytes} bytes does not fit the host tier's "
+                                 f"{self.arena.segment_bytes}-byte arena segments: raise --host-capacity")
         except BaseException:
             if pool.shm_fd >= 0:
                 os.close(pool.shm_fd)
@@ -185,13 +193,12 @@ class BlockCache:
             log.warning("session %s (uid %d pid %d, client %s) missed its lease; releasing it", s.label, s.peer.uid,
                         s.peer.pid, quoted(s.client_name))
             self._close(s)
-        for key, (e, _) in list(self._leases.items()):
-            if e.lease_until <= now:
-                self._end_lease(key, used=False)
+        self._end_expired_leases(now)
         return [s.id for s in dead]
 
     def _end_lease(self, key: BlockKey, used: bool) -> None:
         e, staged = self._leases.pop(key)
+        self._leased_total -= e.size
         if staged:
             self.stats.bump(e.namespace, "prefetch_used" if used else "prefetch_wasted")
         owner = SessionId(e.lease_owner)
@@ -464,17 +471,18 @@ class BlockCache:
 
     async def prefetch(self, session_id: SessionId, hashes: Sequence[bytes], namespace_id: str = "") -> list[PrefetchResult]:
         """Stage disk blocks into the host tier under a lease. A session's leases hold at most
-        prefetch_share of the host tier (the rest is refused, with the reason); a block already
-        in host memory is leased once, never renewed by another prefetch while its lease runs."""
+        prefetch_share of the host tier, and all sessions' leases together prefetch_total_share
+        (the rest is refused, with the reason: many sessions must not pin the whole tier between
+        them); a block already in host memory is leased once, never renewed by another prefetch
+        while its lease runs."""
         s = self._session(session_id, namespace_id)
         self._check_hashes(hashes)
         t = self._t
         now = self.clock.now()
         out: list[PrefetchResult] = []
         to_read: list[tuple[int, Entry]] = []
-        for key in [k for k in s.leased if k in self._leases and self._leases[k][0].lease_until <= now]:
-            self._end_lease(key, used=False)  # ran out, not reaped yet: no longer counts
-        budget = self._lease_cap() - self._leased_bytes.get(s.id, 0)
+        self._end_expired_leases(now)  # ran out, not reaped yet: no longer count
+        budget = min(self._lease_cap() - self._leased_bytes.get(s.id, 0), self._total_lease_cap() - self._leased_total)
         for h in hashes:
             e = t.index.get(BlockKey(s.namespace, BlockHash(h)))
             if e is None or e.tier == Tier.NONE:
@@ -515,11 +523,27 @@ class BlockCache:
     def _lease_cap(self) -> int:
         return int(self.config.prefetch_share * self._t.host.capacity_bytes)
 
+    def _total_lease_cap(self) -> int:
+        return int(self.config.prefetch_total_share * self._t.host.capacity_bytes)
+
+    def _end_expired_leases(self, now: float) -> None:
+        """End the leases that ran out (the reaper, and a prefetch before it counts the caps)."""
+        heap = self._lease_expiry
+        while heap and heap[0][0] <= now:
+            _, _, key = heapq.heappop(heap)
+            held = self._leases.get(key)
+            if held is not None and held[0].lease_until <= now:  # not ended early, not leased again since
+                self._end_lease(key, used=False)
+
     def _over_cap(self, s: Session) -> PrefetchResult:
-        return PrefetchResult(
-            PrefetchStatus.FAILED,
-            f"this session's prefetch leases hold {self._leased_bytes.get(s.id, 0)} bytes; its cap is "
-            f"{self._lease_cap()} (prefetch_share {self.config.prefetch_share:g} of the host tier)")
+        mine, total = self._leased_bytes.get(s.id, 0), self._leased_total
+        if self._lease_cap() - mine <= self._total_lease_cap() - total:
+            why = (f"this session's prefetch leases hold {mine} bytes; its cap is "
+                   f"{self._lease_cap()} (prefetch_share {self.config.prefetch_share:g} of the host tier)")
+        else:
+            why = (f"the prefetch leases of all sessions hold {total} bytes; their cap is {self._total_lease_cap()} "
+                   f"(prefetch_total_share {self.config.prefetch_total_share:g} of the host tier)")
+        return PrefetchResult(PrefetchStatus.FAILED, why)
 
     def _later(self, coro) -> None:
         """Run off the request path (onboarding a disk hit after the Load reply)."""
@@ -535,6 +559,9 @@ class BlockCache:
         e.lease_until = now + self.config.pin_lease_seconds
         e.lease_owner = s.id
         self._leases[e.key] = (e, staged)
+        self._leased_total += e.size
+        self._lease_seq += 1
+        heapq.heappush(self._lease_expiry, (e.lease_until, self._lease_seq, e.key))
         self._leased_bytes[s.id] = self._leased_bytes.get(s.id, 0) + e.size
         s.leased.add(e.key)
         return e.size
@@ -680,6 +707,9 @@ class BlockCache:
         orphans = [k for k, (e, _) in self._leases.items() if e.lease_owner not in owners]
         if orphans:
             problems.append(f"{len(orphans)} prefetch leases held by no open session")
+        leased = sum(e.size for e, _ in self._leases.values())
+        if leased != self._leased_total or leased != sum(self._leased_bytes.values()):
+            problems.append(f"prefetch leases account {self._leased_total} bytes, they hold {leased}")
         host = sum(e.size for e in entries if e.host_buf is not None)
         if host != t.host.used_bytes:
             problems.append(f"host tier accounts {t.host.used_bytes} bytes, its blocks hold {host}")

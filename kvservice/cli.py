@@ -46,6 +46,8 @@ FLAGS: dict[str, tuple[str, str, str]] = {
     "lease_seconds": ("--lease-seconds", "DURATION", "reap a session after this long without a heartbeat"),
     "pin_lease_seconds": ("--pin-lease-seconds", "DURATION", "how long prefetched blocks stay pinned"),
     "prefetch_share": ("--prefetch-share", "FRACTION", "most of the host tier one session's prefetch leases may pin"),
+    "prefetch_total_share": ("--prefetch-total-share", "FRACTION",
+                             "most of the host tier all sessions' prefetch leases together may pin"),
     "max_batch_blocks": ("--max-batch-blocks", "N", "blocks per data RPC"),
     "max_sessions": ("--max-sessions", "N", "open engine sessions"),
     "max_sessions_per_uid": ("--max-sessions-per-uid", "N", "open engine sessions of one uid"),

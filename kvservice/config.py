@@ -53,6 +53,7 @@ class Config:
     lease_seconds: float = 5.0  # a session without a heartbeat for this long is reaped
     pin_lease_seconds: float = 10.0  # prefetched blocks stay pinned this long unless loaded
     prefetch_share: float = 0.25  # most of the host tier one session's prefetch leases may pin
+    prefetch_total_share: float = 0.5  # most of the host tier all sessions' prefetch leases together may pin
     max_batch_blocks: int = 8192  # blocks per data RPC
     max_sessions: int = 256
     max_sessions_per_uid: int = 64  # open sessions of one uid, so one client cannot lock out the node
@@ -365,6 +366,8 @@ def validate_config(cfg: Config) -> None:
         positive(name)
     if not 0 < cfg.prefetch_share <= 1:
         raise ConfigError(f"prefetch_share: must be a fraction in (0, 1], got {cfg.prefetch_share}")
+    if not 0 < cfg.prefetch_total_share <= 1:
+        raise ConfigError(f"prefetch_total_share: must be a fraction in (0, 1], got {cfg.prefetch_total_share}")
 
     if not cfg.socket_path:
         raise ConfigError("socket_path: must be set (the Unix socket engines connect to)")

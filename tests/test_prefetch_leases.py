@@ -1,6 +1,7 @@
 """Prefetch leases cannot starve other tenants (DESIGN §5, "Leases ... are bounded per session").
 
-A session's prefetch leases hold at most prefetch_share of the host tier; a prefetch beyond that
+A session's prefetch leases hold at most prefetch_share of the host tier, and the leases of all
+sessions together prefetch_total_share (so many sessions cannot pin it all); a prefetch beyond that
 is refused with PREFETCH_FAILED and a reason. A block already in host memory is leased once: a
 prefetch while its lease runs does not renew it, so repeated prefetches cannot pin it for ever.
 """
@@ -47,6 +48,34 @@ async def test_one_session_prefetching_more_than_the_host_tier_holds_leaves_room
         assert {m.index for m in reply.messages} == {i for i, r in enumerate(out) if r.status == PrefetchStatus.FAILED}
         pool_a.close()
         pool_b.close()
+
+
+async def test_many_sessions_prefetching_together_leave_room_for_others(tmp_path):
+    """Scenario: the host tier holds 16 blocks; four sessions in four namespaces each have 16
+    blocks stored (most on disk) and each prefetches all 16. Each session's cap (a quarter, 4
+    blocks) would let the four pin the whole tier between them; all leases together stop at
+    half of it (8 blocks), and the sessions refused for that are told it is the total cap. A
+    fifth namespace then stores 8 blocks (half the tier): every one is STORED; the audit is clean."""
+    cfg = small_config(tmp_path, host_capacity_bytes=16 * BLOCK, disk_capacity_bytes=96 * BLOCK)
+    async with started_cache(cfg) as cache:
+        pools = [Pool(num_blocks=32) for _ in range(5)]
+        engines = [Engine(cache, p, ns_spec(model=f"m{k}")) for k, p in enumerate(pools)]
+        for eng in engines[:4]:
+            assert all(r.status == StoreStatus.STORED for r in await eng.store(list(range(16))))
+        await cache.tiers.drain()
+        outs = [await cache.prefetch(eng.sid, [h(i) for i in range(16)]) for eng in engines[:4]]
+        now = cache.clock.now()
+        assert sum(e.size for e in cache.tiers.index.values() if e.lease_until > now) <= 8 * BLOCK
+        refused = [r for out in outs for r in out if r.status == PrefetchStatus.FAILED]
+        assert any("all sessions" in r.message and "prefetch_total_share 0.5" in r.message for r in refused)
+        assert all(len([r for r in out if r.status == PrefetchStatus.FAILED]) >= 12 for out in outs)
+
+        rs = await engines[4].store(list(range(100, 108)))
+        assert [r.status for r in rs] == [StoreStatus.STORED] * 8, [r.message for r in rs]
+        await cache.tiers.drain()
+        assert cache.audit() == []
+        for p in pools:
+            p.close()
 
 
 async def test_prefetching_a_host_block_again_does_not_renew_its_lease(tmp_path):

@@ -11,7 +11,7 @@ Primitives:
   slot_freeing(offset, block_bytes) -> n    how many more blocks of that size would fit once that slot is free
   close()
 
-The capacity is cut into segments of SEGMENT_BYTES (the last may be shorter). A segment serves one
+The capacity is cut into segments (segment_size: capacity/16 within 8-64 MiB; the last may be shorter). A segment serves one
 block size from its first slot taken until its last slot is freed, then it is free for any size:
 namespaces with different block sizes share the capacity without a copy. The arena is the
 daemon's host tier memory, all of it: its RSS is the capacity plus a fixed overhead, whatever the
@@ -32,7 +32,16 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SEGMENT_BYTES = 64 << 20
+SEGMENT_BYTES = 64 << 20  # the largest segment; small arenas get smaller ones (segment_size)
+MIN_SEGMENT_BYTES = 8 << 20
+
+
+def segment_size(capacity_bytes: int, largest: int = SEGMENT_BYTES) -> int:
+    """Segments of capacity/16 between 8 and 64 MiB (4 KiB multiples): a small arena still has
+    enough segments for several block sizes at once (a 64 MiB arena of one 64 MiB segment let
+    the first block size to arrive take all of it), a large one keeps per-segment lists short."""
+    size = min(largest, max(MIN_SEGMENT_BYTES, capacity_bytes // 16)) // 4096 * 4096
+    return min(size, capacity_bytes)
 
 
 @dataclass(slots=True)
@@ -49,7 +58,7 @@ class _Segment:
 
 
 class HostArena:
-    def __init__(self, capacity_bytes: int, pin: bool = False, segment_bytes: int = SEGMENT_BYTES) -> None:
+    def __init__(self, capacity_bytes: int, pin: bool = False, segment_bytes: int = 0) -> None:
         if capacity_bytes <= 0:
             raise ValueError("host arena capacity must be > 0")
         t0 = time.monotonic()
@@ -62,7 +71,7 @@ class HostArena:
         self.pinned = False
         if pin:
             self._pin()
-        self.segment_bytes = min(segment_bytes, capacity_bytes)
+        self.segment_bytes = min(segment_bytes, capacity_bytes) if segment_bytes else segment_size(capacity_bytes)
         self._segments = [_Segment(o, min(self.segment_bytes, capacity_bytes - o))
                           for o in range(0, capacity_bytes, self.segment_bytes)]
         self._free_segments = list(range(len(self._segments)))  # ascending
