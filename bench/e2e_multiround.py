@@ -93,6 +93,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--io-backend", default="auto")
     p.add_argument("--max-prefill-tokens", type=int, default=16384,
                    help="every runner's per-step prefill budget (model_runner --max-prefill-tokens; 0: none)")
+    p.add_argument("--disk-round0-rate-factor", type=float, default=1.0,
+                   help="the disk setting's round 0 (every prompt a miss, written through and spilled) arrives at "
+                        "this x its rate: a warm-up that fills the disk tier no faster than it writes")
     p.add_argument("--disk-host-prompts", type=float, default=2.0,
                    help="daemon D's host tier, in last-round prompts")
     p.add_argument("--prefetch-share", type=float, default=0.0,
@@ -195,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             denv = {}
             if key == "D" and a.prefetch_share:
                 denv["KVSERVICE_PREFETCH_SHARE"] = str(a.prefetch_share)
+                denv["KVSERVICE_PREFETCH_TOTAL_SHARE"] = str(max(a.prefetch_share, 0.5))
             if key == "D" and a.disk_format:
                 denv["KVSERVICE_DISK_FORMAT"] = a.disk_format
             d = Daemon(work, tag=key, host_capacity=st.host_blocks * bb, disk_capacity=st.disk_blocks * bb,

@@ -133,7 +133,7 @@ class _Rate:
 
 class CostModel:
     def __init__(self, flops: Callable[[int, int], float], *, clock: Callable[[], float] = time.monotonic,
-                 stale_s: float = 30.0, explore_gap_s: float = 2.0) -> None:
+                 stale_s: float = 30.0, explore_gap_s: float = 10.0) -> None:
         """flops(n_tokens, ctx): prefill FLOPs of n tokens on top of ctx cached ones (LlamaModel.prefill_flops)."""
         self._flops = flops
         self._clock = clock

@@ -32,16 +32,21 @@ _USABLE = (kvcache_pb2.STAGED, kvcache_pb2.ALREADY_IN_HOST)
 
 
 class PrefetchJob:
-    __slots__ = ("cancelled", "done", "hashes", "staged")
+    __slots__ = ("_wanted", "cancelled", "done", "hashes", "staged")
 
-    def __init__(self, hashes: Sequence[bytes]) -> None:
+    def __init__(self, hashes: Sequence[bytes], wanted: Callable[[], bool]) -> None:
         self.hashes = list(hashes)
         self.staged = 0  # leading blocks the daemon answered STAGED / ALREADY_IN_HOST
         self.cancelled = False
         self.done = False
+        self._wanted = wanted
 
     def cancel(self) -> None:
         self.cancelled = True
+
+    @property
+    def wanted(self) -> bool:
+        return not self.cancelled and self._wanted()
 
 
 class Prefetcher:
@@ -59,10 +64,12 @@ class Prefetcher:
         self._jobs: deque[PrefetchJob] = deque()
         self._cv = threading.Condition()
         self._closed = False
+        self._active = 0  # 1 while a job is staging
         self._thread: threading.Thread | None = None
 
-    def submit(self, hashes: Sequence[bytes]) -> PrefetchJob:
-        job = PrefetchJob(hashes)
+    def submit(self, hashes: Sequence[bytes], wanted: Callable[[], bool] = lambda: True) -> PrefetchJob:
+        """Queue a job (any thread); `wanted` is asked before each chunk (False ends the job, as cancel)."""
+        job = PrefetchJob(hashes, wanted)
         with self._cv:
             if self._closed:
                 job.done = True
@@ -73,6 +80,11 @@ class Prefetcher:
                 self._thread.start()
             self._cv.notify()
         return job
+
+    def pending(self) -> int:
+        """Jobs queued or staging (any thread)."""
+        with self._cv:
+            return sum(1 for job in self._jobs if job.wanted) + self._active
 
     def close(self, timeout: float = 5.0) -> None:
         """Cancel every job and stop the thread (a chunk in flight is waited for up to `timeout`)."""
@@ -95,15 +107,18 @@ class Prefetcher:
                 if self._closed:
                     return
                 job = self._jobs.popleft()
+                self._active = 1
             try:
                 self._stage(job)
             finally:
                 job.done = True
+                with self._cv:
+                    self._active = 0
 
     def _stage(self, job: PrefetchJob) -> None:
         n = len(job.hashes)
         for lo in range(0, n, self._chunk):
-            if job.cancelled or self._closed:
+            if not job.wanted or self._closed:
                 return
             try:
                 statuses = self._client.prefetch(job.hashes[lo: lo + self._chunk])

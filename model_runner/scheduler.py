@@ -13,7 +13,8 @@ Per loop iteration the engine calls:
                   GPU radix hit -> the Lookup's answer for the rest -> load or recompute (CostModel)
                   -> allocate (evict LRU leaves, offload them before reuse) -> submit_load, park
   prefetch()      for the first N still-waiting requests whose Lookup found blocks on disk, once each: a
-                  prefetcher.py job that stages them head first in chunks, off the loop thread
+                  prefetcher.py job that stages them head first in chunks, off the loop thread (a Lookup's
+                  answer starts one itself while fewer than N are staging: no wait for the model step)
   poll_parked()   parked -> running once the Load finished; recompute from the first block not loaded
 and, around the model step, prefilled(seq) and finish(seq): full blocks into the radix tree,
 write-through Store (with the request's TTL), references and blocks released.
@@ -29,6 +30,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -88,6 +90,7 @@ class Scheduler:
         # block until it returns.
         self._in_service: set[BlockHash] = set()
         self.prefetcher: Prefetcher | None = None
+        self._prefetch_lock = threading.Lock()  # prefetch decisions: the loop's and Lookup callbacks'
         if client is not None:
             self.prefetcher = Prefetcher(client, on_status=self._count_prefetched, on_chunk=wake)
 
@@ -118,8 +121,15 @@ class Scheduler:
         seq.lookup_from = start
         seq.lookup_sent = sent = time.monotonic()
 
-        def answered(_: concurrent.futures.Future[Any]) -> None:
+        def answered(f: concurrent.futures.Future[Any]) -> None:  # on the KVClient's thread
             self.metrics.lookup_seconds.observe(time.monotonic() - sent)
+            if self.prefetcher is not None and 0 < self.cfg.prefetch_reqs and seq.phase is Phase.WAITING:
+                # Stage its disk blocks now, not at the loop's next iteration (after the model step in
+                # progress, when the request may already be admitted), while fewer than prefetch_reqs
+                # requests are being prefetched; the loop's prefetch() takes the others as they come up.
+                with self._prefetch_lock:
+                    if self.prefetcher.pending() < self.cfg.prefetch_reqs:
+                        self._start_prefetch(seq, f)
             self.wake()
 
         fut.add_done_callback(answered)
@@ -169,22 +179,32 @@ class Scheduler:
         client = self.client
         if n <= 0 or client is None or self.cfg.load_policy == "never" or not client.attached:
             return
-        assert self.prefetcher is not None
         for seq in itertools.islice(self.waiting, n):
             fut = seq.lookup
-            if seq.prefetched or (fut is not None and not fut.done()):
+            if seq.prefetched or fut is None or not fut.done():
                 continue  # an unanswered Lookup: decided on a later iteration
-            seq.prefetched = True
-            if fut is None or fut.cancelled() or fut.exception() is not None:
-                continue
-            stored, tiers = fut.result()
-            first_disk = next((i for i, t in enumerate(tiers[:stored]) if t == kvcache_pb2.TIER_DISK), None)
-            if first_disk is None:
-                continue  # nothing on disk (or nothing at all): a Prefetch would be a wasted round trip
-            # From the first disk block on (what is before it is in host memory already), head first.
-            lo = seq.lookup_from + first_disk
-            seq.prefetch_job = self.prefetcher.submit(seq.prompt_hashes[lo: seq.lookup_from + stored])
-            self.metrics.prefetches.inc()
+            with self._prefetch_lock:
+                self._start_prefetch(seq, fut)
+
+    def _start_prefetch(self, seq: Seq, fut: concurrent.futures.Future[Any]) -> None:
+        """Once per request, under _prefetch_lock (loop thread or a Lookup's callback): a prefetcher job
+        for the disk-resident part of what its Lookup found."""
+        if seq.prefetched or fut is not seq.lookup:
+            return  # decided already, or a newer Lookup replaced this one
+        seq.prefetched = True
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        stored, tiers = fut.result()
+        first_disk = next((i for i, t in enumerate(tiers[:stored]) if t == kvcache_pb2.TIER_DISK), None)
+        if first_disk is None:
+            return  # nothing on disk (or nothing at all): a Prefetch would be a wasted round trip
+        # From the first disk block on (what is before it is in host memory already), head first, for as
+        # long as the request is queued.
+        lo = seq.lookup_from + first_disk
+        assert self.prefetcher is not None
+        seq.prefetch_job = self.prefetcher.submit(seq.prompt_hashes[lo: seq.lookup_from + stored],
+                                                  wanted=lambda: seq.phase is Phase.WAITING)
+        self.metrics.prefetches.inc()
 
     def poll_parked(self) -> None:
         for seq in [s for s in self.parked if s.load is not None and s.load.future.done()]:

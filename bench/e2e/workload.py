@@ -72,6 +72,9 @@ class Conversations:
                     for u in range(shape.users)])
 
 
-def due(u: int, r: int, users: int, rate: float) -> float:
-    """Seconds after the start at which user u's round r is due."""
-    return (r * users + u) / rate
+def due(u: int, r: int, users: int, rate: float, rate0: float = 0.0) -> float:
+    """Seconds after the start at which user u's round r is due; rate0 (if set) is round 0's rate
+    (the disk setting's warm-up: the histories reach the disk tier no faster than it writes)."""
+    if not rate0 or rate0 == rate:
+        return (r * users + u) / rate
+    return u / rate0 if r == 0 else users / rate0 + ((r - 1) * users + u) / rate
