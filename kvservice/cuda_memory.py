@@ -739,31 +739,64 @@ class CudaEngineMemory:
             finally:
                 lane.synchronize()  # the Load reply promises the bytes are in the engine's memory
 
-    def _copy_in(self, staged: torch.Tensor, srcs: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> None:
-        """H2D of one chunk's host rows into staged, one copy per run of back-to-back rows."""
+    def scatter_from(self, block_ids: Sequence[int], arena: HostArena, offsets: Sequence[int]) -> None:
+        """Host arena slots (pinned) -> engine GPU: per chunk the H2D copies of its runs of adjacent
+        slots into device staging (one cudaMemcpyBatchAsync when there are many), then one scatter
+        kernel; no per-block tensor. Returns once the bytes are in the engine's memory."""
+        bb = self.block_bytes
+        if len(block_ids) != len(offsets):
+            raise ValueError(f"{len(block_ids)} block ids but {len(offsets)} slots")
+        base = arena.base
+        with self._inflight, torch.cuda.device(self._dev.index), self._dev.lane() as lane:
+            try:
+                with torch.cuda.stream(lane.kernels):
+                    idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self._dev.device)
+                lo = 0
+                for k in chunk_rows(len(block_ids), bb):
+                    with torch.cuda.stream(lane.dma):
+                        staged = torch.empty((k, self._row), dtype=self._dtype, device=self._dev.device)
+                        self._copy_runs_in(staged, [(first, n, base[off:off + n * bb])
+                                                    for first, n, off in runs(offsets[lo:lo + k], bb)], lane.dma)
+                    lane.kernels.wait_stream(lane.dma)
+                    with torch.cuda.stream(lane.kernels):
+                        self._scatter_dev(idx[lo:lo + k], staged)
+                        staged.record_stream(lane.kernels)
+                    del staged
+                    lo += k
+            finally:
+                lane.synchronize()  # the Load reply promises the bytes are in the engine's memory
+
+    def _copy_runs_in(self, staged: torch.Tensor, spans: Sequence[tuple[int, int, torch.Tensor]],
+                      stream: torch.cuda.Stream) -> None:
+        """H2D of (first row, rows, flat uint8 host bytes) spans into staged rows: one copy per span,
+        or one cudaMemcpyBatchAsync for all of them when there are many."""
         global _batch_copy_ok
         bb = self.block_bytes
-        runs = host_runs(srcs, bb)
-        if len(runs) > MAX_RUN_COPIES and _batch_copy_ok:
+        if len(spans) > MAX_RUN_COPIES and _batch_copy_ok:
             base = staged.data_ptr()
             try:
-                if _rt().memcpy_batch([base + i * bb for i in range(len(srcs))], [s.data_ptr() for s in srcs],
-                                      [bb] * len(srcs), stream.cuda_stream):
+                if _rt().memcpy_batch([base + first * bb for first, _, _ in spans], [src.data_ptr() for _, _, src in spans],
+                                      [n * bb for _, n, _ in spans], stream.cuda_stream):
                     return
-            except Exception as e:  # an older driver or runtime: fall back to one copy per run
+            except Exception as e:  # an older driver or runtime: fall back to one copy per span
                 log.warning("cudaMemcpyBatchAsync failed (%s); using one copy per run from now on", e)
             _batch_copy_ok = False
         flat_dst = staged.view(-1)
         e = staged.element_size()
-        for first, n, base in runs:
-            dst = flat_dst[first * (bb // e):(first + n) * (bb // e)]
+        for first, n, src in spans:
+            flat_dst[first * (bb // e):(first + n) * (bb // e)].copy_(src.view(self._dtype), non_blocking=True)
+
+    def _copy_in(self, staged: torch.Tensor, srcs: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> None:
+        """H2D of one chunk's host rows into staged, one copy per run of back-to-back rows."""
+        bb = self.block_bytes
+        spans: list[tuple[int, int, torch.Tensor]] = []
+        for first, n, base in host_runs(srcs, bb):
             if base is None:
-                src = srcs[first].reshape(-1).view(torch.uint8)
+                spans.append((first, n, srcs[first].reshape(-1).view(torch.uint8)))
             else:
-                flat = base.view(-1).view(torch.uint8)
                 start = srcs[first].data_ptr() - base.data_ptr()
-                src = flat[start:start + n * bb]
-            dst.copy_(src.view(self._dtype), non_blocking=True)
+                spans.append((first, n, base.view(-1).view(torch.uint8)[start:start + n * bb]))
+        self._copy_runs_in(staged, spans, stream)
 
     def close(self) -> None:
         if self._inflight.closed:

@@ -6,6 +6,7 @@ Primitives:
   gather_into(block_ids, arena, offsets) -> crcs   copy blocks straight into host arena slots
   alloc_host(n) -> [buffer or None per block]     where disk reads for this pool should land
   scatter(block_ids, srcs)                        copy one host buffer per block into the engine pool
+  scatter_from(block_ids, arena, offsets)         copy host arena slots into the engine pool (no per-block objects)
   close()                                         unmap once no copy is in flight
 
 A block's bytes are the concatenation of its row in every region, in region order, so both
@@ -144,6 +145,22 @@ class ShmEngineMemory:
                         view[b].copy_(words[col:col + width])
                     else:
                         view[b].view(torch.uint8).copy_(src[col * self._word:(col + width) * self._word])
+                    col += width
+
+    def scatter_from(self, block_ids: Sequence[int], arena: HostArena, offsets: Sequence[int]) -> None:
+        """Host arena slots -> engine pool: one index_copy_ per run of adjacent slots and region."""
+        bb = self.block_bytes
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long)
+        base = arena.base
+        with self._inflight:
+            for first, n, off in runs(offsets, bb):
+                part = idx[first:first + n]
+                src = base[off:off + n * bb]
+                src = src.view(torch.int64).view(n, bb // 8) if self._word == 8 else src.view(n, bb)
+                col = 0
+                for v in self._views:
+                    width = v.shape[1]
+                    v.index_copy_(0, part, src[:, col:col + width] if len(self._views) > 1 else src)
                     col += width
 
     def close(self) -> None:

@@ -86,6 +86,40 @@ async def test_stores_land_in_slots_and_loads_read_them_back(tmp_path):
         pool.close()
 
 
+@pytest.mark.parametrize("layout, layers", [("block-contiguous", 1), ("layer-first", 3)])
+def test_slots_scatter_into_the_engine_pool_without_per_block_buffers(layout, layers):
+    """Unit: gather_into copies blocks (layer-first: 6 regions a block) into arena slots in two
+    runs; scatter_from copies slots back into other engine blocks, in another order, exactly, and
+    writes nothing else of the pool."""
+    from engine_client.shm_pool import ShmKVPool
+    from kvservice.engine_memory import ShmEngineMemory
+    from kvservice.sessions_api import PoolRegion, PoolSpec
+
+    bb = 6 * 1024
+    pool = ShmKVPool(16, bb, layout, layers)
+    try:
+        for b in range(16):
+            pool.write_block(b, content(b, bb))
+        spec = PoolSpec("shm", 16, tuple(PoolRegion(r.offset, r.block_stride, r.block_bytes) for r in pool.regions),
+                        pool.size, shm_fd=pool.registration_fds()[0])
+        mem = ShmEngineMemory(spec)
+        arena = HostArena(64 * KiB, segment_bytes=32 * KiB)
+        offsets = arena.alloc(bb, 6)  # 5 slots a segment: a run of 5 and a run of 1
+        assert len(runs(offsets, bb)) == 2
+        src = [4, 1, 9, 0, 7, 2]
+        mem.gather_into(src, arena, offsets)
+        dst = [12, 10, 15, 11, 13, 3]
+        before = {b: pool.read_block(b) for b in range(16)}
+        mem.scatter_from(dst, arena, offsets)
+        for b in range(16):
+            want = content(src[dst.index(b)], bb) if b in dst else before[b]
+            assert pool.read_block(b) == want, b
+        mem.close()
+    finally:
+        pool.close()
+        pool.unlink()
+
+
 def rss_bytes(pid: int) -> int:
     status = Path(f"/proc/{pid}/status").read_text()
     return int(next(l for l in status.splitlines() if l.startswith("VmRSS")).split()[1]) * 1024
