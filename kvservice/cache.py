@@ -436,14 +436,13 @@ class BlockCache:
         return [r if r is not None else LoadResult(LoadStatus.FAILED, message="internal error") for r in results]
 
     async def _collect_bytes(self, s: Session, found: list[tuple[int, int, Entry]], results: list[LoadResult | None]):
-        """Source buffers for found blocks: memory right away, disk blocks read (and verified) in parallel."""
+        """Source buffers for found blocks: memory right away, disk blocks read (and verified) as one
+        batch, landing in host slots that become their host copy where the host tier has room."""
         t = self._t
         # slots are pinned by the caller: a spill that finishes meanwhile leaves them in place
         mem_of = {id(e): t.host.row(e) if e.in_memory else None for _, _, e in found}
         on_disk = [(i, b, e) for i, b, e in found if mem_of[id(e)] is None]
-        bufs = s.memory.alloc_host(len(on_disk))
-        reads = await asyncio.gather(*(t.read_from_disk(e, out) for (_, _, e), out in zip(on_disk, bufs)),
-                                     return_exceptions=True)
+        reads = await t.read_batch([e for _, _, e in on_disk], s.memory.alloc_host)
         read_of = {id(e): r for (_, _, e), r in zip(on_disk, reads)}
         srcs: list[torch.Tensor] = []
         ids: list[int] = []
@@ -455,14 +454,14 @@ class BlockCache:
                 srcs.append(mem)
                 served.append((item, Tier.HOST))
             else:
-                r = read_of[id(e)]
+                r, onboarded = read_of[id(e)]
                 if isinstance(r, BaseException):
                     if not isinstance(r, (BlockIOError, OSError)):
                         raise r
                     self.stats.bump(s.namespace, "load_failures")
                     results[i] = LoadResult(LoadStatus.FAILED, Tier.DISK, message=f"disk block discarded: {r}")
                     continue
-                if not t.onboard(e, r):
+                if not onboarded and not t.onboard(e, r):
                     self._later(t.onboard_evicting(e, r))
                 srcs.append(r)
                 served.append((item, Tier.DISK))

@@ -25,8 +25,8 @@ import torch
 
 from kvservice import block_file
 from kvservice.config import Config
-from kvservice.disk import FaultKind
-from kvservice.disk.tier_io import BlockWrite, TierIO, remove_v1_blocks
+from kvservice.disk import FaultKind, aligned_buffer
+from kvservice.disk.tier_io import BlockWrite, DiskFault, TierIO, remove_v1_blocks
 from kvservice.disk_tier import DiskTier
 from kvservice.eviction import Victim, admission_gate, plan_disk_eviction
 from kvservice.host_tier import HostTier
@@ -39,6 +39,8 @@ from kvservice.types import BlockHash, BlockKey, NamespaceId
 from kvservice.write_queue import WriteQueue
 
 log = logging.getLogger(__name__)
+
+SPILL_BATCH_BYTES = 32 << 20  # spills one writer hands the disk tier at once (one DiskStore.write)
 
 
 class Tiers:
@@ -57,7 +59,8 @@ class Tiers:
         self.reader_pool = ThreadPoolExecutor(config.reader_threads, thread_name_prefix="kv-read")
         self.writer_pool = ThreadPoolExecutor(config.writer_threads, thread_name_prefix="kv-write")
         self.writes: WriteQueue[Entry] = WriteQueue(
-            config.write_queue_depth, config.writer_threads, config.write_queue_policy, self._write_job)
+            config.write_queue_depth, config.writer_threads, config.write_queue_policy,
+            batch_handler=self._write_jobs, cost=lambda e: e.size, batch_bytes=SPILL_BATCH_BYTES)
         self.reads_in_flight = 0
         self._header_tasks: set[asyncio.Future] = set()  # header rewrites and spill submissions
 
@@ -380,6 +383,21 @@ class Tiers:
         return self.onboard(e, buf)
 
     # --- disk tier
+    async def _write_jobs(self, batch: list[Entry]) -> None:
+        """A batch of spills from the write queue: disk tier v2 writes it with one store call
+        (data, then one metadata commit); the files format writes each block on its own."""
+        if self.segments is None:
+            await asyncio.gather(*(self._write_job(e) for e in batch))
+            return
+        live = []
+        for e in batch:
+            if self.index.get_any(e.key) is not e or e.disk != DiskState.QUEUED or not e.in_memory:
+                self._abandon_spill(e)  # evicted while queued
+            else:
+                live.append(e)
+        if live:
+            await self._write_segments(live)
+
     async def _write_job(self, e: Entry) -> None:
         """Write one spill from its slot; its disk room was reserved when it was queued."""
         assert self.disk is not None
@@ -387,7 +405,7 @@ class Tiers:
             self._abandon_spill(e)
             return
         if self.segments is not None:
-            return await self._write_segment(e)
+            return await self._write_segments([e])
         meta = self._meta(e)
         loop = asyncio.get_running_loop()
         e.pins += 1  # the slot is read by the writer thread: it must not be freed or reused meanwhile
@@ -414,18 +432,39 @@ class Tiers:
         if e.deadline != e.disk_deadline:
             await self.persist_deadline(e)
 
-    async def _write_segment(self, e: Entry) -> None:
-        """Disk tier v2: one spill, batched with the other writers' by TierIO; data, then metadata."""
+    async def _write_segments(self, batch: list[Entry]) -> None:
+        """Disk tier v2: a batch of spills as one DiskStore.write straight from their host slots;
+        data, then metadata. The write settles in its done callback, so a writer cancelled
+        meanwhile (stop) leaves no slot pinned and no entry half-spilled."""
         assert self.disk is not None and self.segments is not None
-        loc = e.disk_loc
-        block = BlockWrite(e.namespace, e.key.hash, e.checksum, e.deadline, e.stored_at, e.reuse)
-        self._writing.add(loc)
-        e.pins += 1  # the store reads the block's host slot: it must not be freed or reused meanwhile
-        try:
-            fault = await self.segments.write(loc, block, self.host.row(e))
-        finally:
-            self._writing.discard(loc)
-            self.host.unpin([e])
+        locs = [e.disk_loc for e in batch]
+        blocks = [BlockWrite(e.namespace, e.key.hash, e.checksum, e.deadline, e.stored_at, e.reuse) for e in batch]
+        self._writing.update(locs)
+        for e in batch:
+            e.pins += 1  # the store reads the block's host slot: it must not be freed or reused meanwhile
+        bufs = self.host.rows(batch)
+        job = self.segments.write_many(locs, blocks, bufs)
+        settled = asyncio.get_running_loop().create_future()
+
+        def settle(j: asyncio.Future) -> None:
+            err = j.exception() if not j.cancelled() else asyncio.CancelledError()
+            if err is not None:
+                log.error("spill batch of %d blocks failed: %r", len(batch), err)
+            faults = j.result() if err is None else [
+                DiskFault(FaultKind.IO_ERROR, f"spill failed: {err!r}")] * len(batch)
+            self._writing.difference_update(locs)
+            self.host.unpin(batch)
+            for e, loc, block, fault in zip(batch, locs, blocks, faults):
+                self._settle_spill(e, loc, block, fault)
+            if not settled.done():
+                settled.set_result(None)
+
+        job.add_done_callback(settle)
+        await asyncio.shield(settled)
+
+    def _settle_spill(self, e: Entry, loc: int, block: BlockWrite, fault: DiskFault | None) -> None:
+        """One block of a written batch: committed to the disk tier, or failed (slot given back)."""
+        assert self.disk is not None and self.segments is not None
         if fault is not None:  # the store gave the slot back
             e.disk_loc = -1
             self.stats.bump(e.namespace, "io_errors")
@@ -442,8 +481,9 @@ class Tiers:
         if e.spilling:
             self.host.release(e)
         self.stats.bump(e.namespace, "spills")
-        if e.deadline != e.disk_deadline:
-            await self.persist_deadline(e)
+        if e.deadline != e.disk_deadline:  # a metadata update, committed in the background
+            self.segments.set_deadline(loc, e.deadline)
+            e.disk_deadline = e.deadline
 
     def _spill_failed(self, e: Entry) -> None:
         """A retained block whose spill failed goes back to the host tier when it fits there (it
@@ -524,13 +564,106 @@ class Tiers:
         finally:
             self.reads_in_flight -= 1
         if fault is not None:
-            bad_bytes = fault.kind in (FaultKind.CHECKSUM, FaultKind.WRONG_SIZE)
-            self.stats.bump(e.namespace, "checksum_failures" if bad_bytes else "io_errors")
-            log.warning("disk block %s discarded: %s", e.key.hash.hex()[:16], fault.message)
-            if e.disk == DiskState.ON_DISK:
-                self._drop_disk_copy(e)
-            raise BlockIOError(fault.message)
+            raise self._read_failed(e, fault)
         return out
+
+    def _read_failed(self, e: Entry, fault: DiskFault) -> BlockIOError:
+        """A disk block that cannot be served is counted and discarded; the error says why."""
+        bad_bytes = fault.kind in (FaultKind.CHECKSUM, FaultKind.WRONG_SIZE)
+        self.stats.bump(e.namespace, "checksum_failures" if bad_bytes else "io_errors")
+        log.warning("disk block %s discarded: %s", e.key.hash.hex()[:16], fault.message)
+        if e.disk == DiskState.ON_DISK:
+            self._drop_disk_copy(e)
+        return BlockIOError(fault.message)
+
+    async def read_batch(self, entries: list[Entry], scratch) -> list[tuple[torch.Tensor | BaseException, bool]]:
+        """Read disk blocks (the caller pins them) as one coalesced DiskStore read. A block lands
+        in a host slot where the host tier has room - free slots, or the slots of LRU blocks that
+        have a disk copy, evicted for it (nothing to write) - and that slot becomes its host copy:
+        (row, True), onboarded with no second copy. The rest land in scratch(k) buffers (None:
+        page-aligned ones of our own): (buffer, False). A block that fails is counted and
+        discarded, (BlockIOError, False), as with read_from_disk. The read settles in its done
+        callback: a caller cancelled meanwhile leaves no slot taken and no pin held.
+        Files format: read_from_disk per block, in parallel."""
+        if not entries:
+            return []
+        if self.segments is None:
+            bufs = scratch(len(entries))
+            res = await asyncio.gather(*(self.read_from_disk(e, b) for e, b in zip(entries, bufs)),
+                                       return_exceptions=True)
+            return [(r, False) for r in res]
+        n, now = len(entries), self.now()
+        offsets: list[int | None] = [None] * n
+        by_size: dict[int, list[int]] = {}
+        for i, e in enumerate(entries):
+            by_size.setdefault(e.size, []).append(i)
+        for size, idxs in by_size.items():
+            if self.host.placeable(size) < len(idxs):
+                self._clean_room(size, len(idxs), now)
+            k = min(len(idxs), self.host.placeable(size))
+            for i, off in zip(idxs, (self.host.alloc(size, k) or ()) if k else ()):
+                offsets[i] = off
+        outs: list = [self.host.arena.row(off, e.size) if off is not None else None for e, off in zip(entries, offsets)]
+        rest = [i for i in range(n) if offsets[i] is None]
+        if rest:
+            for i, b in zip(rest, scratch(len(rest))):
+                outs[i] = b
+            own = [i for i in rest if outs[i] is None]
+            if own:
+                room = torch.from_numpy(aligned_buffer(sum(entries[i].size for i in own)))
+                at = 0
+                for i in own:
+                    outs[i] = room[at:at + entries[i].size]
+                    at += entries[i].size
+        for e in entries:
+            e.pins += 1  # until the read is done, also if the caller is cancelled
+        self.reads_in_flight += n
+        job = self.segments.read_many([e.disk_loc for e in entries], outs)
+        settled: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        def settle(j: asyncio.Future) -> None:
+            self.reads_in_flight -= n
+            err = j.exception() if not j.cancelled() else asyncio.CancelledError()
+            faults = j.result() if err is None else [DiskFault(FaultKind.IO_ERROR, f"disk read failed: {err!r}")] * n
+            out: list[tuple[torch.Tensor | BaseException, bool]] = []
+            for e, off, buf, fault in zip(entries, offsets, outs, faults):
+                if fault is not None:
+                    if off is not None:
+                        self.host.free([off], e.size)
+                    out.append((self._read_failed(e, fault), False))
+                elif off is None:
+                    out.append((buf, False))
+                elif self.index.get_any(e.key) is e and not e.in_memory:
+                    self.host.add([e], [off])  # the slot read into is the host copy
+                    self.stats.bump(e.namespace, "disk_onboards")
+                    out.append((buf, True))
+                elif e.in_memory:  # another call put it back in memory meanwhile: serve that copy
+                    self.host.free([off], e.size)
+                    out.append((self.host.row(e), True))
+                else:  # forgotten meanwhile: these verified bytes are still served, from a copy
+                    own_copy = buf.clone()
+                    self.host.free([off], e.size)
+                    out.append((own_copy, False))
+            self.host.unpin(entries)
+            if not settled.done():
+                settled.set_result(out)
+
+        job.add_done_callback(settle)
+        return await asyncio.shield(settled)
+
+    def _clean_room(self, size: int, want: int, now: float) -> None:
+        """Evict the oldest host blocks that have a disk copy (their slots go back at once, nothing
+        to write) until `want` blocks of `size` are placeable; looks at a bounded number of them."""
+        clean = []
+        for k, e in enumerate(self.host.entries_oldest_first()):
+            if k >= 4 * want + 64:
+                break
+            if e.disk == DiskState.ON_DISK and not e.pinned(now):
+                clean.append(e)
+        for e in clean:
+            if self.host.placeable(size) >= want:
+                return
+            self._evict_from_host(e, now)
 
     async def persist_deadline(self, e: Entry) -> None:
         """Rewrite the header so the deadline survives a restart."""

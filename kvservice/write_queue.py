@@ -7,6 +7,12 @@ Primitives:
   stop()                           cancel the writers (after drain on SIGTERM)
 Writers are asyncio tasks; each hands its job to `handler`, which does the file I/O in a
 thread pool, so the event loop never blocks on the disk.
+
+Batches (batch_handler given): a writer that takes a job also takes the jobs queued behind it,
+up to `batch_bytes` of `cost(job)` and its fair share of what waits (the queue split over the
+writers not busy), and hands them to batch_handler as one list. So a burst of spills reaches
+the disk as a few large writes, several in flight at once (one per writer), instead of one
+small write per job; a lone job still goes at once.
 """
 
 from __future__ import annotations
@@ -21,11 +27,19 @@ log = logging.getLogger(__name__)
 
 
 class WriteQueue(Generic[J]):
-    def __init__(self, depth: int, writers: int, policy: str, handler: Callable[[J], Awaitable[None]]) -> None:
+    def __init__(self, depth: int, writers: int, policy: str, handler: Callable[[J], Awaitable[None]] | None = None,
+                 *, batch_handler: Callable[[list[J]], Awaitable[None]] | None = None,
+                 cost: Callable[[J], int] = lambda _: 1, batch_bytes: int = 1) -> None:
+        if (handler is None) == (batch_handler is None):
+            raise ValueError("WriteQueue needs exactly one of handler and batch_handler")
         self.capacity = depth
         self.policy = policy
         self._q: asyncio.Queue[J] = asyncio.Queue(maxsize=depth)
         self._handler = handler
+        self._batch_handler = batch_handler
+        self._cost = cost
+        self._batch_bytes = batch_bytes
+        self._busy_writers = 0
         self._n_writers = writers
         self._tasks: list[asyncio.Task[None]] = []
         self.in_flight = 0  # jobs a writer is doing now
@@ -49,7 +63,8 @@ class WriteQueue(Generic[J]):
             return False
         await self._q.put(job)
         # a job an idle writer is about to take is not waiting for one
-        idle = max(0, self._n_writers - self.in_flight) if self._tasks else 0
+        busy = self._busy_writers if self._batch_handler is not None else self.in_flight
+        idle = max(0, self._n_writers - busy) if self._tasks else 0
         self.high_water = max(self.high_water, self._q.qsize() - idle)
         return True
 
@@ -69,7 +84,36 @@ class WriteQueue(Generic[J]):
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
 
+    def _take_batch(self, first: J) -> list[J]:
+        """first, and the jobs queued behind it: up to batch_bytes, and at most this writer's
+        share of the queue, so the other idle writers get theirs."""
+        idle = max(1, self._n_writers - self._busy_writers)
+        share = -(-(self._q.qsize() + 1) // idle)
+        jobs, total = [first], self._cost(first)
+        while len(jobs) < share and total < self._batch_bytes and not self._q.empty():
+            job = self._q.get_nowait()
+            jobs.append(job)
+            total += self._cost(job)
+        return jobs
+
+    async def _batch_writer(self) -> None:
+        while True:
+            jobs = self._take_batch(await self._q.get())
+            self._busy_writers += 1
+            self.in_flight += len(jobs)
+            try:
+                await self._batch_handler(jobs)  # type: ignore[misc]
+            except Exception:  # a handler bug must not kill the writer pool
+                log.exception("disk write batch of %d jobs failed", len(jobs))
+            finally:
+                self._busy_writers -= 1
+                self.in_flight -= len(jobs)
+                for _ in jobs:
+                    self._q.task_done()
+
     async def _writer(self) -> None:
+        if self._batch_handler is not None:
+            return await self._batch_writer()
         while True:
             job = await self._q.get()
             self.in_flight += 1

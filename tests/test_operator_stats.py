@@ -108,8 +108,9 @@ def _ns() -> Namespace:
 def test_stats_write_queue_fields_over_the_wire() -> None:
     """Scenario: a real daemon with a 4-deep write queue, one writer and a disk capped at 64 KiB/s;
     an engine stores 40 blocks into an 8-block host tier, so 32 spills pile up behind the writer.
-    Stats shows at most 4 waiting and at most 1 in progress, the high-water mark reaches the
-    capacity, and once the spills are written both are 0 while the mark stays."""
+    Stats shows at most 4 waiting and at most one writer's batch in progress (the spill it took and
+    the at most 4 queued behind it), the high-water mark reaches the capacity, and once the spills
+    are written both are 0 while the mark stays."""
     pool = ShmKVPool(40, BLOCK, layout="layer-first", num_layers=1)
     extra = ["--write-queue-depth", "4", "--writer-threads", "1", "--disk-write-bytes-per-second", "64KiB"]
     try:
@@ -122,7 +123,7 @@ def test_stats_write_queue_fields_over_the_wire() -> None:
                 s = d.stats()
                 seen.append((s.write_queue_depth, s.writes_in_progress, s.write_queue_high_water))
                 time.sleep(0.02)
-            assert all(w <= 4 and p <= 1 for w, p, _ in seen), seen
+            assert all(w <= 4 and p <= 5 for w, p, _ in seen), seen
             deadline = time.monotonic() + 30
             while (s := d.stats()).counters.spills < 32 and time.monotonic() < deadline:
                 time.sleep(0.05)

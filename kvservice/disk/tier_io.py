@@ -5,6 +5,8 @@ Primitives (event loop thread):
   reserve(size) -> loc | None                   a slot for one spill, no I/O
   await write(loc, block, buf) -> DiskFault|None
   await read(loc, out) -> DiskFault|None
+  write_many(locs, blocks, bufs) -> future of [DiskFault|None]   one store call, as given
+  read_many(locs, outs) -> future of [DiskFault|None]            (the write queue's batches, a Load's disk blocks)
   free(loc) / set_deadline(loc, deadline) / cancel(loc)
   close()                                       blocking
 
@@ -71,6 +73,17 @@ class TierIO:
 
     def read(self, loc: int, out: Buffer) -> asyncio.Future:
         return self._join(self._reads, self._flush_reads, (loc, None, out))
+
+    def write_many(self, locs: list[int], blocks: list[BlockWrite], bufs: list[Buffer]) -> asyncio.Future:
+        """One DiskStore.write of a whole batch on the writer pool. The future is the executor's:
+        cancelling an await of it (shield it) does not stop the write; settle in a done callback."""
+        return asyncio.get_running_loop().run_in_executor(
+            self._writers, _paced, self._write_bucket, self.store.write, locs, blocks, bufs)
+
+    def read_many(self, locs: list[int], outs: list[Buffer]) -> asyncio.Future:
+        """One coalesced DiskStore.read of a batch on the reader pool (see write_many)."""
+        return asyncio.get_running_loop().run_in_executor(
+            self._readers, _paced, self._read_bucket, self.store.read, locs, outs)
 
     def _join(self, pending: list[_Pending], flush, item) -> asyncio.Future:
         loop = asyncio.get_running_loop()
