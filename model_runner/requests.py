@@ -138,6 +138,7 @@ class Seq:
     lookup_from: int = 0  # the block the in-flight Lookup starts at
     lookup_sent: float = 0.0  # monotonic time the Lookup was sent (its patience counts from here)
     lookup_wait_since: float = 0.0  # when admission first waited for the answer (0: it did not)
+    lookup_prev: tuple[concurrent.futures.Future[tuple[int, list[int]]], int] | None = None  # (answer, from)
     lookup_refreshed: bool = False  # a stale answer was asked again once, when the request reached the head
     table: list[BlockId] = field(default_factory=list)  # block of each position // tpb, whole budget
     held: list[Node] = field(default_factory=list)  # radix nodes this request holds a reference on

@@ -58,6 +58,7 @@ LOOKUP_PATIENCE_S = 1.0  # a Lookup unanswered this long counts as a miss: the r
 LOOKUP_PATIENCE_SHARE = 0.05  # ... or unanswered for this share of the prefill it could save, if less
 # (a miss pays at most 5% of its prefill for asking, whatever the daemon is busy with),
 LOOKUP_PATIENCE_MIN_S = 0.05  # but never less than this: a busy daemon's normal answer is not a miss
+LOOKUP_BLOCK_S = 0.025  # the loop waits this long at most for the head's Lookup before it runs a step
 LOOKUP_REFRESH_S = 0.05  # a partial answer older than this, for a request that queued, is asked again
 LOOKUP_PATIENCE_ALWAYS_S = 10.0  # load_policy "always" asked for loads: wait for the answer, however busy the host
 
@@ -134,21 +135,27 @@ class Scheduler:
 
         fut.add_done_callback(answered)
 
-    def _refresh_stale_lookup(self, seq: Seq) -> bool:
+    def _refresh_stale_lookup(self, seq: Seq, min_age: float = LOOKUP_REFRESH_S) -> bool:
         """A request that queued behind others may find blocks stored since its enqueue-time Lookup
-        (another engine's, or its own offloads): ask once more, overlapped with the running batch.
-        True when a new Lookup is in flight."""
+        (another engine's, or its own offloads, or staged by its prefetch): ask once more, overlapped
+        with the running batch. True when a new Lookup is in flight."""
         fut = seq.lookup
-        if seq.lookup_refreshed or fut is None or not fut.done() or fut.cancelled() or fut.exception() is not None:
+        if fut is None or not fut.done() or fut.cancelled() or fut.exception() is not None:
             return False
-        if time.monotonic() - seq.lookup_sent < LOOKUP_REFRESH_S:
+        if seq.lookup_refreshed and seq.prefetch_job is None:
+            return False  # once, unless a prefetch keeps moving its blocks into host memory
+        if time.monotonic() - seq.lookup_sent < min_age:
             return False
         stored, _ = fut.result()
         if seq.lookup_from + stored >= self._usable_blocks(seq) and seq.prefetch_job is None:
             return False  # the answer covers the whole prompt, and no prefetch has moved blocks since
         seq.lookup_refreshed = True
+        old_from = seq.lookup_from
         self._send_lookup(seq)
-        return seq.lookup is not fut and seq.lookup is not None
+        if seq.lookup is fut or seq.lookup is None:
+            return False
+        seq.lookup_prev = (fut, old_from)  # the answer to fall back on if the new one is late
+        return True
 
     def reclaim(self) -> None:
         self.alloc.reclaim()
@@ -173,6 +180,10 @@ class Scheduler:
             self.waiting.popleft()
             self._end_prefetch(seq)
             planned += seq.planned_prefill
+        if self.waiting:
+            # The head waits for this step: ask its Lookup again now, so that the answer lands during
+            # the step and its admission after it need not wait for a round trip.
+            self._refresh_stale_lookup(self.waiting[0], min_age=0.0)
 
     def prefetch(self) -> None:
         n = self.cfg.prefetch_reqs
@@ -317,15 +328,26 @@ class Scheduler:
         return None
 
     def _admit(self, seq: Seq) -> bool:
-        if self._refresh_stale_lookup(seq):
-            return False  # its done-callback (or the deadline) wakes the loop
+        self._refresh_stale_lookup(seq)
         if seq.lookup is not None and not seq.lookup.done():
             now = time.monotonic()
             seq.lookup_wait_since = seq.lookup_wait_since or now
-            if now < self.lookup_deadline(seq):
-                return False  # its done-callback (or the deadline) wakes the loop
-            seq.lookup.cancel()
-            self.metrics.decisions.labels("lookup-timeout").inc()
+            deadline = self.lookup_deadline(seq)
+            if now < deadline:
+                # A Lookup's round trip is a millisecond or two: wait for it here, briefly, rather than
+                # run a whole model step (another request's prefill) without this one -- which would
+                # delay its prefill by that step, a miss paying for the service after all.
+                concurrent.futures.wait([seq.lookup], timeout=min(deadline - now, LOOKUP_BLOCK_S))
+                if not seq.lookup.done():
+                    return False  # its done-callback (or the deadline) wakes the loop
+            elif seq.lookup_prev is not None:
+                seq.lookup.cancel()  # a late second answer: the first one stands
+                seq.lookup, seq.lookup_from = seq.lookup_prev
+                self.metrics.decisions.labels("lookup-refresh-late").inc()
+            else:
+                seq.lookup.cancel()
+                self.metrics.decisions.labels("lookup-timeout").inc()
+        seq.lookup_prev = None
         if seq.lookup_wait_since:
             self.metrics.lookup_wait.observe(time.monotonic() - seq.lookup_wait_since)
             seq.lookup_wait_since = 0.0

@@ -185,3 +185,22 @@ def test_before_any_prefill_is_measured_everything_stored_is_loaded() -> None:
     assert cm.flops_per_s is None and cm.bandwidth == {}
     assert cm.plan([HOST, DISK], BLOCK, TPB, 0) == Plan(2, "explore")
     assert cm.plan([], BLOCK, TPB, 0) == Plan(0, "recompute")
+
+
+def test_short_prefill_tails_do_not_make_recompute_look_dear() -> None:
+    """Replay of the H200 disk run (8B, 2026-12-01): one 15k-token prefill in 0.5 s, then thirty
+    116-token tails after loads, 15 ms each (per-step overhead). An average rate over them fell to a
+    third of the GPU's and 945 disk blocks at 1.15 GB/s (1.7 s) looked cheaper than their prefill
+    (0.5 s); the marginal rate keeps recomputing them."""
+    clock = Clock()
+    cm = CostModel(flops, clock=clock)
+    cm.observe_prefill(15120, 992, 0.5)
+    for i in range(30):
+        cm.observe_prefill(116 + i % 3, 15120 + 992, 0.015)
+    bw = 1.15e9
+    cm.seed(DISK, 0.01, bw, BLOCK)
+    cm.seed(DISK, 0.01, bw, BLOCK)  # trusted around the size asked below
+    cm.observe_load([DISK] * 945, BLOCK, 0.01 + 945 * BLOCK / bw)
+    clock.t += 0.1
+    assert cm.plan([DISK] * 945, BLOCK, TPB, 992) == Plan(0, "recompute")
+    assert cm.tokens_per_s is not None and cm.tokens_per_s > 20000
