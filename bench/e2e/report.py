@@ -233,6 +233,15 @@ def render_md(results: dict) -> str:
                      f"{fmt(r['ttft_p50_round0_ms'])} | {fmt(r['ttft_p50_rounds1plus_ms'])} | "
                      f"{fmt(r['engine_ttft_p50_ms'])} | {fmt(r['req_per_s'], 2)} | {rt['gpu']} / {rt['host']} / "
                      f"{rt['disk']} | {src} | {dcol} | {dec or '-'} |")
+        L.append("\nLookups as the engine sees them (sent at enqueue -> answer; the queue head's waits for one):\n")
+        L.append("| configuration | Lookups | mean round trip ms | head waits | mean wait ms |")
+        L.append("| --- | ---: | ---: | ---: | ---: |")
+        for n in names:
+            em = cfg[n].get("engine_metrics", {})
+            k, s = em.get("model_runner_lookup_seconds_count", 0), em.get("model_runner_lookup_seconds_sum", 0)
+            kw, sw = em.get("model_runner_lookup_wait_seconds_count", 0), em.get("model_runner_lookup_wait_seconds_sum", 0)
+            L.append(f"| {cfg[n]['label']} | {int(k)} | {fmt(s / k * 1e3 if k else None)} | {int(kw)} | "
+                     f"{fmt(sw / kw * 1e3 if kw else None)} |")
         rounds = max((r["round"] for n in names for r in cfg[n]["requests_detail"]), default=-1) + 1
         L.append("\np50 TTFT (ms) by round:\n")
         L.append("| configuration | " + " | ".join(f"r{i}" for i in range(rounds)) + " |")
