@@ -374,7 +374,7 @@ def main() -> int:
     p.add_argument("--io-threads", type=int, default=16, help="DiskStore's own request threads")
     p.add_argument("--segment-bytes", default="256MiB")
     p.add_argument("--restart-blocks", type=int, default=1_000_000)
-    p.add_argument("--formats", default="segments,files", help="daemon part: disk formats to run")
+    p.add_argument("--formats", default="segments", help="daemon part: disk formats to run (segments, files)")
     p.add_argument("--pool", choices=("shm", "cuda"), default="shm", help="daemon part: the engine's pool")
     p.add_argument("--out", default="")
     a = p.parse_args()

@@ -442,7 +442,7 @@ class BlockCache:
         # slots are pinned by the caller: a spill that finishes meanwhile leaves them in place
         mem_of = {id(e): t.host.row(e) if e.in_memory else None for _, _, e in found}
         on_disk = [(i, b, e) for i, b, e in found if mem_of[id(e)] is None]
-        reads = await t.read_batch([e for _, _, e in on_disk], s.memory.alloc_host)
+        reads = await t.read_batch([e for _, _, e in on_disk], s.memory.alloc_host, s.block_bytes)
         read_of = {id(e): r for (_, _, e), r in zip(on_disk, reads)}
         srcs: list[torch.Tensor] = []
         ids: list[int] = []

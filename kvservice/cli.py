@@ -40,7 +40,7 @@ FLAGS: dict[str, tuple[str, str, str]] = {
     "writer_threads": ("--writer-threads", "N", "disk writer threads"),
     "reader_threads": ("--reader-threads", "N", "disk reader threads"),
     "io_backend": ("--io-backend", "BACKEND", "auto | posix | kvikio"),
-    "disk_format": ("--disk-format", "FORMAT", "files (one file per block) | segments (segment files + SQLite metadata)"),
+    "disk_format": ("--disk-format", "FORMAT", "segments (default: segment files + SQLite metadata) | files (legacy: one file per block)"),
     "disk_read_bytes_per_second": ("--disk-read-bytes-per-second", "SIZE", "cap disk reads, e.g. 200MiB; 0: no cap"),
     "disk_write_bytes_per_second": ("--disk-write-bytes-per-second", "SIZE", "cap disk writes, e.g. 200MiB; 0: no cap"),
     "lease_seconds": ("--lease-seconds", "DURATION", "reap a session after this long without a heartbeat"),

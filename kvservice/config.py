@@ -46,7 +46,7 @@ class Config:
     writer_threads: int = 4
     reader_threads: int = 4
     io_backend: str = "auto"  # "auto" | "posix" | "kvikio"
-    disk_format: str = "files"  # "files": one file per block | "segments": disk tier v2 (kvservice/disk)
+    disk_format: str = "segments"  # "segments": disk tier v2 (kvservice/disk) | "files": one file per block (legacy)
     disk_read_bytes_per_second: int = 0  # cap on disk tier reads (shared disk); 0: unlimited
     disk_write_bytes_per_second: int = 0  # cap on spills and header rewrites; 0: unlimited
     # --- sessions and limits
@@ -95,7 +95,7 @@ ENV_CONFIG_FILE = "KVSERVICE_CONFIG"
 ADMISSION_GATES = ("all", "retained-only", "min-reuse=K")
 WRITE_QUEUE_POLICIES = ("wait", "shed")
 IO_BACKENDS = ("auto", "posix", "kvikio")
-DISK_FORMATS = ("files", "segments")
+DISK_FORMATS = ("segments", "files")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
 

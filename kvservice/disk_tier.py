@@ -23,7 +23,10 @@ class DiskTier:
 
     def __init__(self, root: str, capacity_bytes: int) -> None:
         self.root = root
-        self.capacity_bytes = capacity_bytes
+        self.capacity_bytes = capacity_bytes  # what the operator configured (reported in Stats)
+        # what blocks may occupy: the capacity less what the tier's own metadata may take (disk
+        # tier v2 lowers it at open; its per-slot share is met by evicting a little more)
+        self.budget_bytes = capacity_bytes
         self.used_bytes = 0  # complete files plus reserved in-flight writes
         self.unmarked = ChainLRU()  # on disk, never retained
         self.retained: dict[int, Entry] = {}  # on disk with a deadline (expired or not), by id()
@@ -32,7 +35,7 @@ class DiskTier:
 
     @property
     def free_bytes(self) -> int:
-        return self.capacity_bytes - self.used_bytes
+        return self.budget_bytes - self.used_bytes
 
     def __len__(self) -> int:
         return self._on_disk
@@ -43,7 +46,7 @@ class DiskTier:
 
     def reserve(self, entry: Entry) -> None:
         self.used_bytes += entry.size
-        assert self.used_bytes <= self.capacity_bytes, "disk tier over capacity"
+        assert self.used_bytes <= self.budget_bytes, "disk tier over capacity"
         entry.disk = DiskState.QUEUED
         self.queued[id(entry)] = entry
 

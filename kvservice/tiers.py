@@ -144,7 +144,7 @@ class Tiers:
         store = self.segments.store
         # the policy's byte budget: what is left after the metadata's fixed part (its per-slot
         # part is met by evicting a little more when the store asks for it, _reserve_slot)
-        self.disk.capacity_bytes = max(0, store.capacity_bytes - store.metadata_fixed_bytes)
+        self.disk.budget_bytes = max(0, store.capacity_bytes - store.metadata_fixed_bytes)
         rec = store.recovered
         rows = rec.rows.rec[np.argsort(rec.rows.rec["stored_at"], kind="stable")]  # oldest first
         cols = [rows[f].tolist() for f in ("loc", "ns", "hash", "length", "crc", "deadline", "stored_at", "reuse")]
@@ -576,15 +576,26 @@ class Tiers:
             self._drop_disk_copy(e)
         return BlockIOError(fault.message)
 
-    async def read_batch(self, entries: list[Entry], scratch) -> list[tuple[torch.Tensor | BaseException, bool]]:
+    async def read_batch(self, entries: list[Entry], scratch,
+                         block_bytes: int = 0) -> list[tuple[torch.Tensor | BaseException, bool]]:
         """Read disk blocks (the caller pins them) as one coalesced DiskStore read. A block lands
         in a host slot where the host tier has room - free slots, or the slots of LRU blocks that
         have a disk copy, evicted for it (nothing to write) - and that slot becomes its host copy:
         (row, True), onboarded with no second copy. The rest land in scratch(k) buffers (None:
         page-aligned ones of our own): (buffer, False). A block that fails is counted and
         discarded, (BlockIOError, False), as with read_from_disk. The read settles in its done
-        callback: a caller cancelled meanwhile leaves no slot taken and no pin held.
+        callback: a caller cancelled meanwhile leaves no slot taken and no pin held. With
+        block_bytes (the caller's pool block size), a block of another size - a row recovered from
+        a damaged or crafted disk - fails as wrong_size and is discarded, never handed over.
         Files format: read_from_disk per block, in parallel."""
+        if block_bytes:
+            wrong = {i for i, e in enumerate(entries) if e.size != block_bytes}
+            if wrong:
+                good = await self.read_batch([e for i, e in enumerate(entries) if i not in wrong], scratch)
+                it = iter(good)
+                return [(self._read_failed(e, DiskFault(
+                    FaultKind.WRONG_SIZE, f"disk block of {e.size} bytes, the namespace's blocks are {block_bytes} "
+                    "bytes")), False) if i in wrong else next(it) for i, e in enumerate(entries)]
         if not entries:
             return []
         if self.segments is None:

@@ -12,6 +12,7 @@ from multiprocessing import shared_memory
 from kvservice.cache import BlockCache
 from kvservice.clock import FakeClock
 from kvservice.config import Config
+from kvservice.disk.tier_io import disk_capacity_for
 from kvservice.sessions_api import NamespaceSpec, PoolRegion, PoolSpec
 from harness.blocks import BLOCK, content, h  # noqa: F401  (re-exported for the tests)
 
@@ -47,9 +48,12 @@ class Pool:
         self.shm.unlink()
 
 
-def small_config(tmp_path, **kw) -> Config:
+def small_config(tmp_path, disk_blocks: int = 8, **kw) -> Config:
+    """Host tier of 4 blocks; a disk tier that holds `disk_blocks` blocks of BLOCK bytes (0: none),
+    its metadata reserve included (disk tier v2 counts it in the capacity)."""
     base = Config(socket_path=str(tmp_path / "kv.sock"), host_capacity_bytes=4 * BLOCK,
-                  disk_path=str(tmp_path / "disk"), disk_capacity_bytes=8 * BLOCK,
+                  disk_path=str(tmp_path / "disk"),
+                  disk_capacity_bytes=disk_capacity_for(disk_blocks, BLOCK) if disk_blocks else 0,
                   writer_threads=2, reader_threads=2, io_backend="posix")
     return replace(base, **kw)
 

@@ -31,7 +31,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.loop = asyncio.new_event_loop()
         self.tmp = Path(tempfile.mkdtemp())
         self.clock = FakeClock()
-        cfg = small_config(self.tmp, host_capacity_bytes=2 * 4096, disk_capacity_bytes=4 * 4096, protect_unexpired=True, admission_gate=gate,
+        cfg = small_config(self.tmp, host_capacity_bytes=2 * 4096, disk_blocks=4, protect_unexpired=True, admission_gate=gate,
                            write_queue_depth=2, write_queue_policy=policy, lease_seconds=1e6)
         self.ctx = started_cache(cfg, self.clock)
         self.cache = self.loop.run_until_complete(self.ctx.__aenter__())

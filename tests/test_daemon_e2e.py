@@ -22,7 +22,6 @@ import grpc
 import pytest
 
 from engine_client import KVClient, Namespace, ShmKVPool
-from kvservice import block_file
 from tests.corekit import content, h
 from tests.daemon_kit import Daemon, free_tcp_port
 from tests.engine_kit import EngineProc
@@ -302,12 +301,8 @@ def test_sigterm_drains_queued_spills_and_a_restart_serves_them_from_disk():
             assert d.stop() == 0
         assert "draining queued disk writes" in d.log()
         assert not os.path.exists(d.socket_path)
-        # every spill is a complete block file with the block's bytes, and no write is half done
-        for i in range(8):
-            path = block_file.block_path(d.disk_path, ns, h(i))
-            assert block_file.read_header(path).payload_len == BLOCK
-            with open(path, "rb") as f:
-                assert f.read()[block_file.HEADER_BYTES:] == content(i, BLOCK), f"block {i} on disk"
+        # no write is half done (the default disk format keeps blocks in segment files: the restart
+        # below is what shows every spill complete, with its bytes)
         assert not list(Path(d.disk_path).rglob("*.tmp"))
 
         with Daemon(d.dir, host_capacity="64KiB", disk_capacity="1MiB") as again:

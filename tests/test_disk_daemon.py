@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from engine_client import AsyncKVClient, Namespace, ShmKVPool
+from kvservice.checksum import checksum
 from kvservice.clock import FakeClock
 from kvservice.config import Config
 from kvservice.disk import segment as segment_mod
@@ -255,4 +256,59 @@ def test_a_full_disk_tier_keeps_its_files_within_the_capacity():
             assert size <= 1 << 20 and alloc <= 1 << 20, (size, alloc)
             r = eng.call("load", numbers=list(range(600, 632)))
             assert r["status"] == [LOADED] * 32 and all(r["exact"])
+        assert "Traceback" not in d.log()
+
+
+def test_planted_files_and_crafted_rows_degrade_per_block_after_a_restart(tmp_path):
+    """Scenario: blocks 0-7 are on disk and the daemon stops. Behind its back: a FIFO and a symlink
+    (to a file outside the disk path) are planted under segment names, block 2's row is crafted to
+    a consistent 2 KiB block (its slot's first 2 KiB, with their CRC32C) in a 4 KiB namespace, and
+    block 4's row gets a deadline in the year 3000. The daemon restarts without hanging, removes
+    both planted entries without following the link (the outside file is intact), clamps the
+    deadline to max_ttl, and a Load of 0-7 gives block 2 FAILED (wrong size, discarded, counted
+    in checksum_failures, then MISSING) and the others exact from disk - no INTERNAL."""
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"keep me" * 100)
+    max_ttl = 3600.0
+    with Daemon(host_capacity="64KiB", disk_capacity="2MiB", extra=SEGMENTS + ["--max-ttl", "1h"]) as d:
+        with EngineProc(d.target) as eng:
+            assert set(store_all(eng, 24, ttl_every=10**6).values()) == {STORED}
+            wait_until(lambda: settled(d) and d.stats().counters.spills >= 8, what="spills")
+        assert d.stop() == 0
+        disk = Path(d.disk_path)
+        os.mkfifo(disk / segment_name(90, BLOCK))
+        os.symlink(outside, disk / segment_name(91, BLOCK))
+        seg, offset = block_slot(d.disk_path, 2)
+        with open(seg, "rb") as f:
+            f.seek(offset)
+            half = f.read(BLOCK // 2)
+        db = sqlite3.connect(f"file:{disk}/meta.sqlite3", uri=True)
+        try:
+            for rowid, blob in db.execute("select rowid, rec from blocks").fetchall():
+                rec = np.frombuffer(blob, REC).copy()
+                if bytes(rec[0]["hash"]) == h(2):
+                    rec[0]["length"], rec[0]["crc"] = BLOCK // 2, checksum(half)
+                elif bytes(rec[0]["hash"]) == h(4):
+                    rec[0]["deadline"] = 32503680000.0  # 3000-01-01
+                else:
+                    continue
+                db.execute("update blocks set rec=? where rowid=?", (rec.tobytes(), rowid))
+            db.commit()
+        finally:
+            db.close()
+        d.start()
+        assert not os.path.lexists(disk / segment_name(90, BLOCK))
+        assert not os.path.lexists(disk / segment_name(91, BLOCK))
+        assert outside.read_bytes() == b"keep me" * 100
+        log = d.log()
+        assert "not a regular file" in log or "refused" in log
+        with EngineProc(d.target) as eng:
+            (deadline,) = eng.call("retain", numbers=[4], ttl=0)["deadline"]
+            assert 0 < deadline <= time.time() + max_ttl + 5
+            r = eng.call("load", numbers=list(range(8)))
+            assert r["status"] == [LOADED] * 2 + [FAILED] + [LOADED] * 5, r["message"]
+            assert "2048 bytes" in r["message"][2] and "discarded" in r["message"][2]
+            assert r["exact"][:2] + r["exact"][3:] == [True] * 7 and set(r["tier"][3:]) == {DISK}
+            assert d.stats().counters.checksum_failures == 1
+            assert eng.call("load", numbers=[2])["status"] == [MISSING]
         assert "Traceback" not in d.log()

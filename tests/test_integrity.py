@@ -4,7 +4,9 @@ discarded, never served, and an engine block is never written with wrong bytes.
 Faults are injected into the real block files of a real daemon (a flipped byte, a truncated or
 vanished file, a damaged header found at restart), and at the I/O boundary of an in-process
 server for a short read. The host tier holds 16 blocks of 4096 bytes: storing blocks 0-7 and
-then 8-23 pushes 0-7 to disk, one file each at <disk>/<namespace>/<xx>/<hash hex>.kvb.
+then 8-23 pushes 0-7 to disk, one file each at <disk>/<namespace>/<xx>/<hash hex>.kvb: these
+tests are about the one-file-per-block format (--disk-format files); the same faults on the
+default segments format are in test_disk_daemon and test_disk_faults.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def spill_to_disk(d: Daemon, eng: EngineProc) -> None:
 
 @pytest.fixture
 def daemon():
-    d = Daemon(host_capacity="64KiB", disk_capacity="4MiB").start()
+    d = Daemon(host_capacity="64KiB", disk_capacity="4MiB", extra=["--disk-format", "files"]).start()
     yield d
     d.close()
 
@@ -163,7 +165,7 @@ async def test_a_short_read_fails_the_block_and_never_reaches_the_engine():
     workdir = short_tmpdir()
     config = Config(socket_path=str(workdir / "kv.sock"), host_capacity_bytes=16 * BLOCK,
                     disk_path=str(workdir / "disk"), disk_capacity_bytes=64 * BLOCK,
-                    writer_threads=2, reader_threads=2, io_backend="posix")
+                    writer_threads=2, reader_threads=2, io_backend="posix", disk_format="files")
     os.makedirs(config.disk_path)
     clock = FakeClock()
     io = ShortReadIO()

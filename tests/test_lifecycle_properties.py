@@ -33,7 +33,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.loop = asyncio.new_event_loop()
         self.tmp = Path(tempfile.mkdtemp())
         self.clock = FakeClock()
-        cfg = small_config(self.tmp, host_capacity_bytes=3 * 4096, disk_capacity_bytes=(6 * 4096) if disk else 0,
+        cfg = small_config(self.tmp, host_capacity_bytes=3 * 4096, disk_blocks=6 if disk else 0,
                            write_queue_depth=1, writer_threads=1, write_queue_policy=policy,
                            lease_seconds=30.0, pin_lease_seconds=5.0, prefetch_share=0.5)
         self.ctx = started_cache(cfg, self.clock)

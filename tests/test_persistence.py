@@ -31,9 +31,11 @@ SPILL_FILE_BYTES = HEADER_BYTES + 4096
 WRITE_CAP = "250KB"  # ~30 spills (header + payload) a second: the burst below lasts ~4 s
 
 
-def daemon(**kw) -> Daemon:
+def daemon(files: bool = False, **kw) -> Daemon:
+    """files: the one-file-per-block format (--disk-format files), for tests that plant torn block files."""
     return Daemon(host_capacity="64KiB", disk_capacity="4MiB",
-                  extra=["--disk-write-bytes-per-second", WRITE_CAP, "--write-queue-depth", "16"], **kw)
+                  extra=["--disk-write-bytes-per-second", WRITE_CAP, "--write-queue-depth", "16"]
+                  + (["--disk-format", "files"] if files else []), **kw)
 
 
 def batches(n_blocks: int) -> list[tuple[list[int], float]]:
@@ -81,7 +83,7 @@ def test_kill9_during_a_write_burst_never_serves_a_wrong_block(crash_after):
     recovered loads byte-exact from disk, every other block is MISSING (never FAILED, never
     wrong), and each surviving retained block has exactly the deadline its Store reply gave."""
     n_blocks = 160
-    d = daemon()
+    d = daemon(files=True)
     replies: dict[int, tuple[int, float]] = {}
     try:
         d.start()

@@ -22,7 +22,7 @@ async def test_one_session_prefetching_more_than_the_host_tier_holds_leaves_room
     and prefetches all 48. Its leases stop at a quarter of the host tier (4 blocks); the rest is
     PREFETCH_FAILED, saying it hit the session's cap. Session B, in another namespace, then
     stores 24 blocks in batches of 8: every one is STORED; the audit is clean."""
-    cfg = small_config(tmp_path, host_capacity_bytes=16 * BLOCK, disk_capacity_bytes=64 * BLOCK)
+    cfg = small_config(tmp_path, host_capacity_bytes=16 * BLOCK, disk_blocks=64)
     async with started_cache(cfg) as cache:
         pool_a, pool_b = Pool(num_blocks=64), Pool(num_blocks=64)
         a = Engine(cache, pool_a)
@@ -107,7 +107,7 @@ async def test_prefetching_a_host_block_again_does_not_renew_its_lease(tmp_path)
 async def test_leases_of_a_closed_session_are_released_and_no_longer_count(tmp_path):
     """Scenario: a session leases blocks, then closes; its leases end at once (the blocks are
     evictable, ListSessions has nothing pinned for it) and the bytes stop counting."""
-    cfg = small_config(tmp_path, host_capacity_bytes=16 * BLOCK, disk_capacity_bytes=64 * BLOCK)
+    cfg = small_config(tmp_path, host_capacity_bytes=16 * BLOCK, disk_blocks=64)
     async with started_cache(cfg) as cache:
         pool = Pool(num_blocks=32)
         eng = Engine(cache, pool)

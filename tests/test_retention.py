@@ -193,9 +193,9 @@ async def test_shed_drops_only_best_effort_spills(tmp_path, pool):
     """Scenario: write queue of depth 1, policy shed, writes stalled. Best-effort spills that
     find the queue full are dropped and counted; retained spills wait and all reach disk."""
     import asyncio
-    io = SlowWrites()
+    io = SlowWrites()  # stalls the BlockIO backend: the one-file-per-block format's writes
     cfg = small_config(tmp_path, write_queue_depth=1, writer_threads=1, write_queue_policy="shed",
-                       disk_capacity_bytes=32 * 4096)
+                       disk_blocks=32, disk_format="files")
     async with started_cache(cfg, io=io) as cache:
         eng = Engine(cache, pool)
         await eng.store([0, 1, 2, 3])

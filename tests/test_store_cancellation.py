@@ -126,8 +126,8 @@ async def test_a_store_cancelled_while_waiting_for_the_write_queue_rolls_back_an
     entries are rolled back at once; the spills it started are not abandoned: once the disk
     moves, 1-3 land on disk and
     load byte-exact, and 4-6 store again."""
-    io = GatedIO()
-    cfg = small_config(tmp_path, write_queue_depth=1, writer_threads=1)
+    io = GatedIO()  # gates the BlockIO backend: the one-file-per-block format's writes
+    cfg = small_config(tmp_path, write_queue_depth=1, writer_threads=1, disk_format="files")
     async with started_cache(cfg, io=io) as cache:
         pool = Pool()
         eng = Engine(cache, pool)
@@ -159,8 +159,8 @@ async def test_a_store_cancelled_during_a_deadline_rewrite_keeps_what_it_committ
     rewrites its disk header with the new deadline, and is cancelled during that write, before
     9 was copied. 9 is not stored and nothing of it is left; 0 still loads byte-exact; 9 stores
     again."""
-    io = GatedIO()
-    async with started_cache(small_config(tmp_path), io=io) as cache:
+    io = GatedIO()  # gates the BlockIO backend: the one-file-per-block format's header rewrites
+    async with started_cache(small_config(tmp_path, disk_format="files"), io=io) as cache:
         pool = Pool()
         eng = Engine(cache, pool)
         await eng.store([0])

@@ -108,8 +108,8 @@ class DiskStore:
         self._durable = durable
         self.max_request = max_request_bytes
         self.io_threads = io_threads
-        self._wal_limit = min(4 << 20, max(64 << 10, capacity_bytes // 256))
-        self._meta_fixed = 3 * self._wal_limit + (256 << 10) + other_bytes  # WAL, -shm, schema pages, others
+        self._wal_limit = _wal_limit(capacity_bytes)
+        self._meta_fixed = metadata_fixed_bytes(capacity_bytes, other_bytes)
         self._ceiling = capacity_bytes  # lowered when the filesystem says ENOSPC first
         self._lock = threading.Lock()
         self._db_lock = threading.Lock()
@@ -605,6 +605,16 @@ class DiskStore:
                 f.close()
             self._files.clear()
         self._meta.close()
+
+
+def _wal_limit(capacity_bytes: int) -> int:
+    return min(4 << 20, max(64 << 10, capacity_bytes // 256))
+
+
+def metadata_fixed_bytes(capacity_bytes: int, other_bytes: int = 0) -> int:
+    """The metadata reserve that does not depend on the number of slots: WAL, -shm, schema pages,
+    and `other_bytes` kept for files others put under the root."""
+    return 3 * _wal_limit(capacity_bytes) + (256 << 10) + other_bytes
 
 
 def _prepare_root(root: str) -> None:

@@ -133,7 +133,20 @@ def _paced(bucket: TokenBucket | None, op, locs, *args):
     return op(locs, *args)
 
 
-__all__ = ["BlockWrite", "DiskFault", "TierIO", "remove_v1_blocks"]
+__all__ = ["BlockWrite", "DiskFault", "TierIO", "disk_capacity_for", "remove_v1_blocks"]
+
+
+def disk_capacity_for(blocks: int, block_bytes: int) -> int:
+    """The --disk-capacity whose tier holds `blocks` blocks of block_bytes in the daemon: their
+    slots, each slot's metadata share and the fixed metadata reserve (WAL, schema, canaries)."""
+    from kvservice.disk.slots import slot_class
+    from kvservice.disk.store import META_PER_SLOT, metadata_fixed_bytes
+
+    data = blocks * (slot_class(block_bytes) + META_PER_SLOT)
+    cap = data
+    for _ in range(4):  # the fixed part grows with the capacity (the WAL limit)
+        cap = data + metadata_fixed_bytes(cap, CANARY_ALLOWANCE)
+    return cap
 
 
 def remove_v1_blocks(root: str) -> int:
