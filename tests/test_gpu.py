@@ -245,7 +245,7 @@ def test_blocks_round_trip_exactly_through_host_and_disk_tiers(layout, layers):
     order, returns every byte from both tiers. A disk block whose file was damaged is reported
     failed and its slot is left untouched: the checksum is verified before bytes reach the GPU."""
     bb = 256 << 10
-    d = _daemon("2MiB", "64MiB")
+    d = _daemon("2MiB", "64MiB", "--disk-format", "files")  # block files through kvikio; segments: bench/disk_tier.py
     try:
         e = GpuEngine(d.target, "--layout", layout, "--layers", str(layers), "--blocks", "64", "--block-bytes", str(bb))
         try:
