@@ -1,10 +1,12 @@
 """Scheduler: which requests run, which wait for their KV, and the GPU tier's block bookkeeping.
 
-Everything here runs on the engine's loop thread and never waits on the daemon: Lookup, Load, Store
-and Prefetch go out as futures (KVClient.submit_*). The Lookup of a request is sent when it is
-enqueued, so its round trip overlaps the model step in progress and the queueing; admission reads
-the answer, and waits only while it has not landed and waiting still costs less than a fraction of
-the prefill a hit could save (lookup_deadline): a slow answer never costs a miss more than that.
+Everything here runs on the engine's loop thread and never waits on a Store, Load or Prefetch: they
+go out as futures (KVClient.submit_*). The Lookup of a request is sent when it is enqueued, so its
+round trip overlaps the model step in progress and the queueing; admission reads the answer, waits
+for it at most LOOKUP_BLOCK_S on the spot (a round trip is a millisecond or two; running a model step
+without the request would delay it by the whole step), and beyond that only while waiting still
+costs less than a fraction of the prefill a hit could save (lookup_deadline): a slow answer never
+costs a miss more than that.
 Per loop iteration the engine calls:
 
   enqueue(seq)    hash the prompt; send the Lookup of the blocks past the GPU tier's hit
