@@ -227,8 +227,15 @@ def new_hashes(n: int) -> list[bytes]:
 
 
 def _check(results, status: int, what: str, tier: int | None = None) -> None:
-    bad = [r for r in results if r.status != status or (tier is not None and r.tier != tier)]
-    if bad:
+    """Every block answered `status` (and `tier`); reads the client's packed arrays, no per-block object."""
+    statuses = getattr(results, "statuses", None)
+    if statuses is None:  # in-process BlockCache results
+        statuses, tiers = [r.status for r in results], [getattr(r, "tier", 0) for r in results]
+    else:
+        tiers = getattr(results, "tiers", None)
+    ok = statuses.count(status) == len(statuses) and (tier is None or tiers.count(tier) == len(tiers))
+    if not ok:
+        bad = [r for r in results if r.status != status or (tier is not None and r.tier != tier)]
         raise RuntimeError(f"{what}: {len(bad)} of {len(results)} blocks not as expected: {bad[0]}")
 
 
@@ -419,9 +426,9 @@ def datapath_role(args) -> None:
             def cache_round() -> tuple[float, float]:
                 hs = new_hashes(n)
                 t0 = time.perf_counter()
-                loop.run_until_complete(cache.store(sid, list(zip(hs, src)), 0.0))
+                loop.run_until_complete(cache.store(sid, hs, src, 0.0))
                 t1 = time.perf_counter()
-                loop.run_until_complete(cache.load(sid, list(zip(hs, dst))))
+                loop.run_until_complete(cache.load(sid, hs, dst))
                 return t1 - t0, time.perf_counter() - t1
             for _ in range(WARMUP):
                 cache_round()

@@ -42,7 +42,7 @@ async def measure(target: str, session: str, hashes: list[bytes], iters: int) ->
     async with grpc.aio.insecure_channel(target) as ch:
         stub = kvcache_pb2_grpc.KVCacheStub(ch)
         hb = kvcache_pb2.HeartbeatRequest(session_id=session)
-        lk = kvcache_pb2.LookupRequest(session_id=session, hashes=hashes)
+        lk = kvcache_pb2.LookupRequest(session_id=session, hashes=b"".join(hashes))  # packed: n x 32 bytes
         await timed(stub.Heartbeat, hb, 50)  # warm up
         await timed(stub.Lookup, lk, 50)
         return await timed(stub.Heartbeat, hb, iters), await timed(stub.Lookup, lk, iters)

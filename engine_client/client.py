@@ -4,13 +4,14 @@ Primitives (batched; each answers per block, in the order asked):
   connect(required)                 open a session on the registration socket: namespace, pool
                                     (its memory as a file descriptor), hash canary
   lookup(hashes)                    -> (prefix_blocks, tier of each of those blocks)
-  store(hashes, block_ids, ttl)     -> StoreResult per block; returns once bytes left the pool
-  load(hashes, block_ids)           -> LoadResult per block; returns once bytes are in the pool
+  store(hashes, block_ids, ttl)     -> StoreResults (a StoreResult per block); returns once bytes left the pool
+  load(hashes, block_ids)           -> LoadResults (a LoadResult per block); returns once bytes are in the pool
   prefetch(hashes)                  -> PrefetchStatus per hash (disk -> host, under a pin lease)
   retain(hashes, ttl)               -> new deadline per hash (0.0: not stored or refused)
   close()
 
-Batches longer than the daemon's max_batch_blocks are split client-side, sent in order.
+Batches longer than the daemon's max_batch_blocks are split client-side, sent in order. On the wire
+hashes travel packed (one bytes of n x 32) and block ids as packed integers (kvservice.v1).
 
 Resilience: the cache is an accelerator, never a dependency. While the daemon is down or
 restarting (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED, or NOT_FOUND for a session a restarted
@@ -29,7 +30,7 @@ import os
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import grpc
 
@@ -38,6 +39,7 @@ from engine_client.errors import DETACHING_CODES, KVClientError, from_rpc_error
 from engine_client.hashing import HASH_BYTES, BlockHasher
 from engine_client.namespace import Namespace
 from engine_client.registration import register, unix_socket_path
+from engine_client.results import LoadResults, StoreResults
 from kvservice.v1 import kvcache_pb2, kvcache_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -54,9 +56,6 @@ _CHANNEL_OPTIONS = (
     # with UNAVAILABLE although the daemon is SERVING.
     ("grpc.use_local_subchannel_pool", 1),
 )
-
-T = TypeVar("T")
-
 
 class PoolDescriber(Protocol):
     """An engine KV pool that can be registered (ShmKVPool, CudaKVPool): its description, and the
@@ -220,14 +219,16 @@ class AsyncKVClient:
     # --- data
     async def lookup(self, hashes: Sequence[bytes]) -> tuple[int, list[int]]:
         """How many leading hashes of the chain are stored, and the Tier value of each of them."""
-        _check_hashes(hashes)
+        packed = _pack(hashes)
         prefix, tiers, pos = 0, [], 0
-        while pos < len(hashes):
+        n = len(hashes)
+        while pos < n:
             session = self._current()
             if session is None:
                 return 0, []
-            end = session.batch_end(pos, len(hashes))
-            request = kvcache_pb2.LookupRequest(session_id=session.session_id, hashes=hashes[pos:end])
+            end = session.batch_end(pos, n)
+            request = kvcache_pb2.LookupRequest(session_id=session.session_id,
+                                                hashes=packed[pos * HASH_BYTES:end * HASH_BYTES])
             reply = await self._call("Lookup", request, session)
             if reply is None:
                 return 0, []
@@ -242,56 +243,72 @@ class AsyncKVClient:
             pos = end
         return prefix, tiers
 
-    async def store(
-        self, hashes: Sequence[bytes], block_ids: Sequence[int], ttl_seconds: float = 0.0
-    ) -> list[kvcache_pb2.StoreResult]:
+    async def store(self, hashes: Sequence[bytes], block_ids: Sequence[int], ttl_seconds: float = 0.0) -> StoreResults:
         """Copy pool blocks `block_ids` into the daemon as `hashes` (a chain segment, head first).
 
         ttl_seconds > 0 retains them at least that long. Returns once the bytes have left the
         pool, so the blocks may be reused. Unreachable daemon: NOT_STORED for every block.
+        The answer reads like a list of StoreResult (status, deadline, message) and keeps the
+        daemon's arrays (statuses, deadlines, messages).
         """
-        _check_refs(hashes, block_ids)
-        return await self._batched(
-            "Store", len(hashes),
+        packed, ids = _pack_refs(hashes, block_ids)
+        out = StoreResults()
+        await self._batched(
+            "Store", len(ids),
             lambda sid, lo, hi: kvcache_pb2.StoreRequest(
-                session_id=sid, blocks=_block_refs(hashes, block_ids, lo, hi), ttl_seconds=ttl_seconds),
-            lambda reply: reply.results,
-            lambda: kvcache_pb2.StoreResult(status=kvcache_pb2.NOT_STORED, message=UNREACHABLE),
+                session_id=sid, hashes=packed[lo * HASH_BYTES:hi * HASH_BYTES], block_ids=ids[lo:hi],
+                ttl_seconds=ttl_seconds),
+            lambda reply: (reply.statuses, reply.deadlines),
+            lambda reply: out.extend(reply.statuses, reply.deadlines, reply.messages),
+            lambda k: out.fill(k, kvcache_pb2.NOT_STORED, UNREACHABLE),
         )
+        return out
 
-    async def load(self, hashes: Sequence[bytes], block_ids: Sequence[int]) -> list[kvcache_pb2.LoadResult]:
+    async def load(self, hashes: Sequence[bytes], block_ids: Sequence[int]) -> LoadResults:
         """Fill pool blocks `block_ids` with the blocks stored as `hashes`; returns once they landed.
 
         Recompute from the first result that is not LOADED. Unreachable daemon: MISSING with
-        message "daemon unreachable" for every block.
+        message "daemon unreachable" for every block. The answer reads like a list of
+        LoadResult (status, tier, message) and keeps the arrays (statuses, tiers, messages).
         """
-        _check_refs(hashes, block_ids)
-        return await self._batched(
-            "Load", len(hashes),
-            lambda sid, lo, hi: kvcache_pb2.LoadRequest(session_id=sid, blocks=_block_refs(hashes, block_ids, lo, hi)),
-            lambda reply: reply.results,
-            lambda: kvcache_pb2.LoadResult(status=kvcache_pb2.MISSING, message=UNREACHABLE),
+        packed, ids = _pack_refs(hashes, block_ids)
+        out = LoadResults()
+        await self._batched(
+            "Load", len(ids),
+            lambda sid, lo, hi: kvcache_pb2.LoadRequest(
+                session_id=sid, hashes=packed[lo * HASH_BYTES:hi * HASH_BYTES], block_ids=ids[lo:hi]),
+            lambda reply: (reply.statuses, reply.tiers),
+            lambda reply: out.extend(reply.statuses, reply.tiers, reply.messages),
+            lambda k: out.fill(k, kvcache_pb2.MISSING, UNREACHABLE),
         )
+        return out
 
     async def prefetch(self, hashes: Sequence[bytes]) -> list[int]:
         """Stage disk-resident blocks into the host tier; a PrefetchStatus value per hash."""
-        _check_hashes(hashes)
-        return await self._batched(
+        packed = _pack(hashes)
+        out: list[int] = []
+        await self._batched(
             "Prefetch", len(hashes),
-            lambda sid, lo, hi: kvcache_pb2.PrefetchRequest(session_id=sid, hashes=hashes[lo:hi]),
-            lambda reply: reply.results,
-            lambda: kvcache_pb2.NOT_FOUND,
+            lambda sid, lo, hi: kvcache_pb2.PrefetchRequest(session_id=sid, hashes=packed[lo * HASH_BYTES:hi * HASH_BYTES]),
+            lambda reply: (reply.results,),
+            lambda reply: out.extend(reply.results),
+            lambda k: out.extend([kvcache_pb2.NOT_FOUND] * k),
         )
+        return out
 
     async def retain(self, hashes: Sequence[bytes], ttl_seconds: float) -> list[float]:
         """Extend retention of stored blocks; the new deadline (unix s) per hash, 0.0 if not stored/refused."""
-        _check_hashes(hashes)
-        return await self._batched(
+        packed = _pack(hashes)
+        out: list[float] = []
+        await self._batched(
             "Retain", len(hashes),
-            lambda sid, lo, hi: kvcache_pb2.RetainRequest(session_id=sid, hashes=hashes[lo:hi], ttl_seconds=ttl_seconds),
-            lambda reply: reply.deadlines,
-            lambda: 0.0,
+            lambda sid, lo, hi: kvcache_pb2.RetainRequest(
+                session_id=sid, hashes=packed[lo * HASH_BYTES:hi * HASH_BYTES], ttl_seconds=ttl_seconds),
+            lambda reply: (reply.deadlines,),
+            lambda reply: out.extend(reply.deadlines),
+            lambda k: out.extend([0.0] * k),
         )
+        return out
 
     # --- internals: calls
     def _current(self) -> _Session | None:
@@ -309,23 +326,28 @@ class AsyncKVClient:
         rpc: str,
         n: int,
         request: Callable[[str, int, int], Any],
-        items: Callable[[Any], Sequence[T]],
-        fallback: Callable[[], T],
-    ) -> list[T]:
-        out: list[T] = []
-        while len(out) < n:
-            lo = len(out)
+        arrays: Callable[[Any], tuple[Sequence[Any], ...]],
+        take: Callable[[Any], None],
+        fallback: Callable[[int], None],
+    ) -> None:
+        """Send items [0, n) in batches of max_batch_blocks, in order. `arrays(reply)` are the
+        reply's per-block arrays (each must have one entry per block asked, or none: an array the
+        daemon leaves empty when all its values are 0); `take(reply)` keeps them; `fallback(k)`
+        answers the last k items once the daemon is unreachable."""
+        done = 0
+        while done < n:
             session = self._current()
-            hi = session.batch_end(lo, n) if session is not None else n
-            reply = await self._call(rpc, request(session.session_id, lo, hi), session) if session is not None else None
+            hi = session.batch_end(done, n) if session is not None else n
+            reply = await self._call(rpc, request(session.session_id, done, hi), session) if session is not None else None
             if reply is None:  # detached, before or during this batch: the rest is a miss
-                out.extend(fallback() for _ in range(n - lo))
-                break
-            got = items(reply)
-            if len(got) != hi - lo:
-                raise KVClientError(grpc.StatusCode.INTERNAL, f"{rpc} of {hi - lo} blocks answered {len(got)} results")
-            out.extend(got)
-        return out
+                fallback(n - done)
+                return
+            got = arrays(reply)
+            if len(got[0]) != hi - done or any(len(a) not in (0, hi - done) for a in got[1:]):
+                raise KVClientError(grpc.StatusCode.INTERNAL,
+                                    f"{rpc} of {hi - done} blocks answered {[len(a) for a in got]} results")
+            take(reply)
+            done = hi
 
     async def _call(self, rpc: str, request: Any, session: _Session) -> Any | None:
         """Send one data RPC; None when the daemon is unreachable (and the client detaches)."""
@@ -506,18 +528,22 @@ class AsyncKVClient:
             await channel.close()
 
 
-def _check_hashes(hashes: Sequence[bytes]) -> None:
-    for i, h in enumerate(hashes):
-        if len(h) != HASH_BYTES:
-            raise KVClientError(grpc.StatusCode.INVALID_ARGUMENT, f"hash {i} is {len(h)} bytes, expected {HASH_BYTES}")
+def _pack(hashes: Sequence[bytes]) -> bytes:
+    """The hashes as the wire carries them: one bytes of n x HASH_BYTES, head first."""
+    try:
+        packed = b"".join(hashes)
+    except TypeError:
+        packed = b""
+    if len(packed) != HASH_BYTES * len(hashes):
+        for i, h in enumerate(hashes):
+            if not isinstance(h, (bytes, bytearray, memoryview)) or len(h) != HASH_BYTES:
+                size = len(h) if isinstance(h, (bytes, bytearray, memoryview)) else type(h).__name__
+                raise KVClientError(grpc.StatusCode.INVALID_ARGUMENT, f"hash {i} is {size} bytes, expected {HASH_BYTES}")
+    return packed
 
 
-def _check_refs(hashes: Sequence[bytes], block_ids: Sequence[int]) -> None:
+def _pack_refs(hashes: Sequence[bytes], block_ids: Sequence[int]) -> tuple[bytes, list[int]]:
     if len(hashes) != len(block_ids):
         raise KVClientError(grpc.StatusCode.INVALID_ARGUMENT,
                             f"{len(hashes)} hashes but {len(block_ids)} block ids")
-    _check_hashes(hashes)
-
-
-def _block_refs(hashes: Sequence[bytes], block_ids: Sequence[int], lo: int, hi: int) -> list[kvcache_pb2.BlockRef]:
-    return [kvcache_pb2.BlockRef(hash=hashes[i], block_id=block_ids[i]) for i in range(lo, hi)]
+    return _pack(hashes), list(block_ids)

@@ -21,7 +21,7 @@ from engine_client.client import AsyncKVClient, PoolDescriber
 from engine_client.errors import KVClientError
 from engine_client.hashing import BlockHasher
 from engine_client.namespace import Namespace
-from kvservice.v1 import kvcache_pb2
+from engine_client.results import LoadResults, StoreResults
 
 T = TypeVar("T")
 
@@ -82,10 +82,10 @@ class KVClient:
         return self._run(self._client.lookup(hashes))
 
     def store(self, hashes: Sequence[bytes], block_ids: Sequence[int], ttl_seconds: float = 0.0
-              ) -> list[kvcache_pb2.StoreResult]:
+              ) -> StoreResults:
         return self._run(self._client.store(hashes, block_ids, ttl_seconds))
 
-    def load(self, hashes: Sequence[bytes], block_ids: Sequence[int]) -> list[kvcache_pb2.LoadResult]:
+    def load(self, hashes: Sequence[bytes], block_ids: Sequence[int]) -> LoadResults:
         return self._run(self._client.load(hashes, block_ids))
 
     def prefetch(self, hashes: Sequence[bytes]) -> list[int]:
@@ -96,11 +96,11 @@ class KVClient:
 
     # --- non-blocking calls
     def submit_store(self, hashes: Sequence[bytes], block_ids: Sequence[int], ttl_seconds: float = 0.0
-                     ) -> concurrent.futures.Future[list[kvcache_pb2.StoreResult]]:
+                     ) -> concurrent.futures.Future[StoreResults]:
         return self._submit(self._client.store(hashes, block_ids, ttl_seconds))
 
     def submit_load(self, hashes: Sequence[bytes], block_ids: Sequence[int]
-                    ) -> concurrent.futures.Future[list[kvcache_pb2.LoadResult]]:
+                    ) -> concurrent.futures.Future[LoadResults]:
         return self._submit(self._client.load(hashes, block_ids))
 
     def submit_prefetch(self, hashes: Sequence[bytes]) -> concurrent.futures.Future[list[int]]:

@@ -3,8 +3,10 @@
 Primitives (all per block, batched per call; the session must be open):
   open_session / heartbeat / close_session / reap_sessions   leases and pool mappings
   lookup(hashes) -> tiers of the stored prefix
-  store(refs, ttl) -> StoreResult per block; returns once the bytes left the engine pool
-  load(refs) -> LoadResult per block; returns once the bytes are in the engine pool
+  store(hashes, block_ids, ttl) -> StoreResults (status per block...); returns once the bytes left the engine pool
+  load(hashes, block_ids) -> LoadResults (status, tier per block); returns once the bytes are in the engine pool
+Hashes come packed (n x 32 bytes, as on the wire) or as a list; each call validates, plans and
+commits in one pass over its batch, and answers in arrays (types.StoreResults / LoadResults).
   prefetch(hashes) -> stage disk blocks into the host tier under a short pin lease
   retain(hashes, ttl) -> new deadline per block (deadlines only ever extend)
   evict(...) / stats views                                    admin
@@ -38,9 +40,8 @@ from kvservice.sessions_api import MAIN_LISTENER, NamespaceSpec, OpenedSession, 
 from kvservice.stats import CounterSet, Counters, Histogram
 from kvservice.tiers import Tiers
 from kvservice.types import (
-    HASH_BYTES, BlockHash, BlockKey, CacheError, ErrorCode, LoadResult, LoadStatus, NamespaceId, PrefetchResult,
-    PrefetchStatus,
-    SessionId, StoreResult, StoreStatus, Tier,
+    HASH_BYTES, BlockHash, BlockKey, CacheError, ErrorCode, LoadResults, LoadStatus, NamespaceId, PrefetchResult,
+    PrefetchStatus, SessionId, StoreResults, StoreStatus, Tier,
 )
 
 log = logging.getLogger(__name__)
@@ -227,68 +228,95 @@ class BlockCache:
                              f"session {s.label} opened namespace {s.namespace}, not {quoted(namespace_id)}")
         return s
 
-    def _check_hashes(self, hashes: Sequence[bytes]) -> None:
-        if len(hashes) > self.config.max_batch_blocks:
+    def _check_count(self, n: int) -> None:
+        if n > self.config.max_batch_blocks:
             raise CacheError(ErrorCode.RESOURCE_EXHAUSTED,
-                             f"batch of {len(hashes)} blocks exceeds max_batch_blocks = {self.config.max_batch_blocks}")
-        for i, h in enumerate(hashes):
+                             f"batch of {n} blocks exceeds max_batch_blocks = {self.config.max_batch_blocks}")
+
+    def _hashes(self, hashes: bytes | Sequence[bytes]) -> list[bytes]:
+        """The request's hashes, one bytes object each: from the wire's packed field (n x 32 bytes,
+        head first), or a list of 32-byte hashes (in-process callers). One pass, no per-hash object
+        beyond the slice."""
+        if isinstance(hashes, (bytes, bytearray, memoryview)):
+            packed = bytes(hashes)
+            n, rest = divmod(len(packed), HASH_BYTES)
+            if rest:
+                raise CacheError(ErrorCode.INVALID_ARGUMENT,
+                                 f"hashes has {len(packed)} bytes, not a multiple of {HASH_BYTES}: it must be n "
+                                 f"hashes of {HASH_BYTES} bytes each, packed head first")
+            self._check_count(n)
+            return [packed[i:i + HASH_BYTES] for i in range(0, len(packed), HASH_BYTES)]
+        hs = list(hashes)
+        self._check_count(len(hs))
+        for i, h in enumerate(hs):
             if len(h) != HASH_BYTES:
                 raise CacheError(ErrorCode.INVALID_ARGUMENT, f"hash #{i} has {len(h)} bytes, expected {HASH_BYTES}")
+        return hs
 
-    def _check_refs(self, s: Session, refs: Sequence[tuple[bytes, int]]) -> None:
-        self._check_hashes([h for h, _ in refs])
-        n = s.pool.num_blocks
-        ids = [b for _, b in refs]
-        for i, b in enumerate(ids):
-            if not 0 <= b < n:
-                raise CacheError(ErrorCode.INVALID_ARGUMENT, f"block_id {b} (#{i}) is outside the pool's {n} blocks")
-        if len(set(ids)) != len(ids):
+    def _block_ids(self, s: Session, n: int, block_ids: Sequence[int]) -> list[int]:
+        """Engine block ids, one per hash, inside the session's pool, none twice."""
+        ids = list(block_ids)
+        if len(ids) != n:
+            raise CacheError(ErrorCode.INVALID_ARGUMENT,
+                             f"{len(ids)} block_ids for {n} hashes: block_ids must name one engine block per hash")
+        if not ids:
+            return ids
+        pool_blocks = s.pool.num_blocks
+        if min(ids) < 0 or max(ids) >= pool_blocks:
+            i, b = next((i, b) for i, b in enumerate(ids) if not 0 <= b < pool_blocks)
+            raise CacheError(ErrorCode.INVALID_ARGUMENT,
+                             f"block_id {b} (#{i}) is outside the pool's {pool_blocks} blocks")
+        if len(set(ids)) != n:
             raise CacheError(ErrorCode.INVALID_ARGUMENT, "a block_id appears twice in one batch")
+        return ids
 
     # --- data
-    def lookup(self, session_id: SessionId, hashes: Sequence[bytes], namespace_id: str = "") -> list[Tier]:
+    def lookup(self, session_id: SessionId, hashes: bytes | Sequence[bytes], namespace_id: str = "") -> list[int]:
+        """Tier value of each block of the stored prefix of the chain (Tier.HOST / Tier.DISK)."""
         s = self._session(session_id, namespace_id)
-        self._check_hashes(hashes)
-        tiers: list[Tier] = []
-        for h in hashes:
-            e = self._t.index.get(BlockKey(s.namespace, BlockHash(h)))
-            if e is None or e.tier == Tier.NONE:
-                break
-            tiers.append(e.tier)
-        return tiers
+        return self._t.index.prefix_tiers(s.namespace, self._hashes(hashes))
 
-    async def store(self, session_id: SessionId, refs: Sequence[tuple[bytes, int]], ttl_seconds: float,
-                    namespace_id: str = "") -> list[StoreResult]:
-        """Plan (no await), copy, commit. Every reservation the plan makes - index entries that are
-        not ready, host room - is rolled back if the call fails or is cancelled at any await."""
+    async def store(self, session_id: SessionId, hashes: bytes | Sequence[bytes], block_ids: Sequence[int],
+                    ttl_seconds: float = 0.0, namespace_id: str = "") -> StoreResults:
+        """Store engine blocks block_ids[i] as hashes[i] (a chain segment, head first). Validate,
+        plan (no await), copy (one job per chunk), commit, each one pass over the batch. Every
+        reservation the plan makes - index entries that are not ready, host room - is rolled back
+        if the call fails or is cancelled at any await."""
         t0 = time.perf_counter()
         s = self._session(session_id, namespace_id)
-        self._check_refs(s, refs)
+        hs = self._hashes(hashes)
+        ids = self._block_ids(s, len(hs), block_ids)
         self.namespaces.check_canary(s.namespace, s.canary)  # another session may have fixed it since
         t = self._t
         ttl = t.retention.clamp_ttl(ttl_seconds)
         now = self.clock.now()
-        results: list[StoreResult | None] = [None] * len(refs)
+        results = StoreResults(len(hs))
+        ns, size = s.namespace, s.block_bytes
+        blocks = t.index.namespace(ns)
         new: list[tuple[int, Entry, int]] = []  # (position, entry, engine block id)
         touched: list[tuple[int, Entry]] = []
-        for i, (h, b) in enumerate(refs):
-            key = BlockKey(s.namespace, BlockHash(h))
-            e = t.index.get_any(key)
+        for i, h in enumerate(hs):
+            e = blocks.get(h)
             if e is not None:
-                self.stats.bump(s.namespace, "store_hits")
                 touched.append((i, e))
                 continue
-            e = Entry(key, s.block_bytes, 0, now, pins=1, ready=False)
-            t.index.add(e)
-            new.append((i, e, b))
+            e = blocks[h] = Entry(BlockKey(ns, h), size, 0, now, pins=1, ready=False)
+            new.append((i, e, ids[i]))
         try:
-            t.host.touch([e for _, e in touched])
-            if t.disk is not None:
-                t.disk.touch([e for _, e in touched])
-            # hits are retained first: a block this Store retains is no victim of its own evictions
-            for i, e in touched:
-                results[i] = await self._retain_one(e, ttl, now, StoreStatus.ALREADY_STORED) if e.ready \
-                    else StoreResult(StoreStatus.ALREADY_STORED)
+            if touched:
+                self.stats.bump(ns, "store_hits", len(touched))
+                hit = [e for _, e in touched]
+                t.host.touch(hit)
+                if t.disk is not None:
+                    t.disk.touch(hit)
+                # hits are retained first: a block this Store retains is no victim of its own evictions
+                for i, e in touched:
+                    if not e.ready:
+                        results.set(i, StoreStatus.ALREADY_STORED)
+                    elif ttl:
+                        await self._retain_one(e, ttl, now, StoreStatus.ALREADY_STORED, results, i)
+                    else:
+                        results.set(i, StoreStatus.ALREADY_STORED, e.deadline if e.deadline > now else 0.0)
             if new:
                 await self._store_new(s, new, ttl, now, results)
         finally:
@@ -299,10 +327,14 @@ class BlockCache:
         if any(e.ready for _, e, _ in new) and self.namespaces.fix_canary(s.namespace, s.canary):
             log.info("namespace %s: hash canary fixed by session %s, its first store", s.namespace, s.label)
         self._store_latency.observe(time.perf_counter() - t0)
-        return [r if r is not None else StoreResult(StoreStatus.FAILED, message="internal error") for r in results]
+        if 0 in results.status:
+            for i, st in enumerate(results.status):
+                if st == 0:
+                    results.set(i, StoreStatus.FAILED, message="internal error")
+        return results
 
     async def _store_new(self, s: Session, new: list[tuple[int, Entry, int]], ttl: float, now: float,
-                         results: list[StoreResult | None]) -> None:
+                         results: StoreResults) -> None:
         """Copy new blocks in, head first, in chunks the host tier can hold: a batch larger than
         the host tier streams through it (earlier chunks spill as later ones arrive)."""
         t = self._t
@@ -312,11 +344,11 @@ class BlockCache:
             if not stored:
                 for i, e, _ in new[lo + chunk:]:
                     t.index.remove(e)
-                    results[i] = StoreResult(StoreStatus.NOT_STORED, message="no room in the host tier")
+                    results.set(i, StoreStatus.NOT_STORED, message="no room in the host tier")
                 return
 
     async def _store_chunk(self, s: Session, new: list[tuple[int, Entry, int]], ttl: float, now: float,
-                           results: list[StoreResult | None]) -> bool:
+                           results: StoreResults) -> bool:
         """Store what fits of one chunk; False when some of it did not fit. Plan (evict, no await),
         wait for the spills that make the room, take slots, copy the engine's blocks straight into
         them, commit. Cancelled or failed before the commit, the slots go back (after the copy
@@ -345,10 +377,10 @@ class BlockCache:
                 why = "the rest of it is pinned by loads or prefetches in flight"
             else:
                 why = "a concurrent call took the rest"
-        for i, e, _ in new[fit:]:
-            t.index.remove(e)
-            results[i] = StoreResult(
-                StoreStatus.NOT_STORED, message=f"host tier has room for {fit} of {len(new)} blocks: {why}")
+            message = f"host tier has room for {fit} of {len(new)} blocks: {why}"
+            for i, e, _ in new[fit:]:
+                t.index.remove(e)
+                results.set(i, StoreStatus.NOT_STORED, message=message)
         complete = fit == len(new)
         new = new[:fit]
         if not new or offsets is None:
@@ -361,10 +393,14 @@ class BlockCache:
             e.ready = True
             e.pins -= 1
         t.host.add(entries, offsets)
-        for _, e, _ in new:
-            self.stats.bump(s.namespace, "stores")
+        self.stats.bump(s.namespace, "stores", len(entries))
+        status = results.status
+        if not ttl:
+            for i, _, _ in new:
+                status[i] = StoreStatus.STORED
+            return complete
         for i, e, _ in new:
-            results[i] = await self._retain_one(e, ttl, now, StoreStatus.STORED) if ttl else StoreResult(StoreStatus.STORED)
+            await self._retain_one(e, ttl, now, StoreStatus.STORED, results, i)
         return complete
 
     async def _copy(self, fn, *args, on_abandon=None):
@@ -382,47 +418,66 @@ class BlockCache:
                     fut.add_done_callback(lambda _: on_abandon())
             raise
 
-    async def _retain_one(self, e: Entry, ttl: float, now: float, status: StoreStatus) -> StoreResult:
-        if not ttl:
-            return StoreResult(status, deadline=e.deadline if e.deadline > now else 0.0)
+    async def _retain_one(self, e: Entry, ttl: float, now: float, status: StoreStatus, results: StoreResults,
+                          i: int) -> None:
+        """Extend e's retention to now + ttl (ttl > 0) and record the outcome as results[i]."""
         deadline = self._t.retention.extend(e, ttl, now)
         if deadline is None:
             self.stats.bump(e.namespace, "retain_cap_refusals")
-            return StoreResult(StoreStatus.STORED_NOT_RETAINED if status == StoreStatus.STORED else status,
-                               message="retained-bytes cap of the namespace reached; stored without retention")
+            results.set(i, StoreStatus.STORED_NOT_RETAINED if status == StoreStatus.STORED else status,
+                        message="retained-bytes cap of the namespace reached; stored without retention")
+            return
         self._t.mark_retained(e)
-        await self._t.persist_deadline(e)
-        return StoreResult(status, deadline=deadline)
+        if e.disk == DiskState.ON_DISK:
+            await self._t.persist_deadline(e)
+        results.set(i, status, deadline)
 
-    async def load(self, session_id: SessionId, refs: Sequence[tuple[bytes, int]], namespace_id: str = "") -> list[LoadResult]:
+    async def load(self, session_id: SessionId, hashes: bytes | Sequence[bytes], block_ids: Sequence[int],
+                   namespace_id: str = "") -> LoadResults:
+        """Fill engine blocks block_ids[i] with the blocks stored as hashes[i]; returns once they landed."""
         t0 = time.perf_counter()
         s = self._session(session_id, namespace_id)
-        self._check_refs(s, refs)
+        hs = self._hashes(hashes)
+        ids = self._block_ids(s, len(hs), block_ids)
         t = self._t
-        results: list[LoadResult | None] = [None] * len(refs)
-        pinned: list[Entry] = []
+        results = LoadResults(len(hs))
+        blocks = t.index.namespace(s.namespace)
         found: list[tuple[int, int, Entry]] = []  # (position, engine block id, entry)
-        for i, (h, b) in enumerate(refs):
-            e = t.index.get(BlockKey(s.namespace, BlockHash(h)))
-            if e is None or e.tier == Tier.NONE:
-                self.stats.bump(s.namespace, "load_misses")
-                results[i] = LoadResult(LoadStatus.MISSING)
+        misses = 0
+        for i, h in enumerate(hs):
+            e = blocks.get(h)
+            if e is None or not e.ready or (e.slot < 0 and e.disk != DiskState.ON_DISK):
+                results.status[i] = LoadStatus.MISSING
+                misses += 1
                 continue
             e.pins += 1
-            pinned.append(e)
-            found.append((i, b, e))
+            found.append((i, ids[i], e))
+        if misses:
+            self.stats.bump(s.namespace, "load_misses", misses)
+        pinned = [e for _, _, e in found]
         handed_over = False  # once the scatter runs, its thread drops the pins when it is done
         try:
-            srcs, ids, served = await self._collect_bytes(s, found, results)
-            if srcs:
+            host_ids, host_slots, srcs, ids, served = await self._collect_bytes(s, found, results)
+            if host_ids or srcs:
                 handed_over = True
-                await self._copy(s.memory.scatter, ids, srcs, on_abandon=lambda: t.host.unpin(pinned))
+                await self._copy(_scatter, s.memory, t.host.arena, host_ids, host_slots, ids, srcs,
+                                 on_abandon=lambda: t.host.unpin(pinned))
+            status, tiers = results.status, results.tier
+            host_loads = disk_loads = 0
             for (i, _, e), tier in served:
                 e.reuse += 1
-                self.stats.bump(s.namespace, "loads_host" if tier == Tier.HOST else "loads_disk")
-                if e.key in self._leases and e.lease_owner == s.id:
+                if tier == Tier.HOST:
+                    host_loads += 1
+                else:
+                    disk_loads += 1
+                if e.lease_owner == s.id and e.key in self._leases:
                     self._end_lease(e.key, used=True)
-                results[i] = LoadResult(LoadStatus.LOADED, tier)
+                status[i] = LoadStatus.LOADED
+                tiers[i] = tier
+            if host_loads:
+                self.stats.bump(s.namespace, "loads_host", host_loads)
+            if disk_loads:
+                self.stats.bump(s.namespace, "loads_disk", disk_loads)
             chain = [e for (_, _, e), _ in served]
             t.host.touch(chain)
             if t.disk is not None:
@@ -433,58 +488,68 @@ class BlockCache:
                 t.host.unpin(pinned)
             raise
         self._load_latency.observe(time.perf_counter() - t0)
-        return [r if r is not None else LoadResult(LoadStatus.FAILED, message="internal error") for r in results]
+        if 0 in results.status:
+            for i, st in enumerate(results.status):
+                if st == 0:
+                    results.set(i, LoadStatus.FAILED, message="internal error")
+        return results
 
-    async def _collect_bytes(self, s: Session, found: list[tuple[int, int, Entry]], results: list[LoadResult | None]):
-        """Source buffers for found blocks: memory right away, disk blocks read (and verified) as one
-        batch, landing in host slots that become their host copy where the host tier has room."""
+    async def _collect_bytes(self, s: Session, found: list[tuple[int, int, Entry]], results: LoadResults):
+        """Where the found blocks' bytes come from: host slots (engine ids + slot offsets, copied
+        with one scatter_from per batch, no per-block tensor), and disk blocks read (and verified) as
+        one batch, landing in host slots that become their host copy where the host tier has room
+        (engine ids + buffers). `served`: (item, tier) in request order."""
         t = self._t
         # slots are pinned by the caller: a spill that finishes meanwhile leaves them in place
-        mem_of = {id(e): t.host.row(e) if e.in_memory else None for _, _, e in found}
-        on_disk = [(i, b, e) for i, b, e in found if mem_of[id(e)] is None]
-        reads = await t.read_batch([e for _, _, e in on_disk], s.memory.alloc_host, s.block_bytes)
-        read_of = {id(e): r for (_, _, e), r in zip(on_disk, reads)}
+        on_disk = [e for _, _, e in found if e.slot < 0]
+        reads = await t.read_batch(on_disk, s.memory.alloc_host, s.block_bytes) if on_disk else []
+        read_of = {id(e): r for e, r in zip(on_disk, reads)}
+        host_ids: list[int] = []
+        host_slots: list[int] = []
         srcs: list[torch.Tensor] = []
         ids: list[int] = []
         served: list[tuple[tuple[int, int, Entry], Tier]] = []
         for item in found:
             i, b, e = item
-            mem = mem_of[id(e)]
-            if mem is not None:
-                srcs.append(mem)
+            r = read_of.get(id(e)) if read_of else None
+            if r is None:
+                host_ids.append(b)
+                host_slots.append(e.slot)
                 served.append((item, Tier.HOST))
-            else:
-                r, onboarded = read_of[id(e)]
-                if isinstance(r, BaseException):
-                    if not isinstance(r, (BlockIOError, OSError)):
-                        raise r
-                    self.stats.bump(s.namespace, "load_failures")
-                    results[i] = LoadResult(LoadStatus.FAILED, Tier.DISK, message=f"disk block discarded: {r}")
-                    continue
-                if not onboarded and not t.onboard(e, r):
-                    self._later(t.onboard_evicting(e, r))
-                srcs.append(r)
-                served.append((item, Tier.DISK))
+                continue
+            r, onboarded = r
+            if isinstance(r, BaseException):
+                if not isinstance(r, (BlockIOError, OSError)):
+                    raise r
+                self.stats.bump(s.namespace, "load_failures")
+                results.set(i, LoadStatus.FAILED, Tier.DISK, message=f"disk block discarded: {r}")
+                continue
+            if not onboarded and not t.onboard(e, r):
+                self._later(t.onboard_evicting(e, r))
+            srcs.append(r)
             ids.append(b)
-        return srcs, ids, served
+            served.append((item, Tier.DISK))
+        return host_ids, host_slots, srcs, ids, served
 
-    async def prefetch(self, session_id: SessionId, hashes: Sequence[bytes], namespace_id: str = "") -> list[PrefetchResult]:
+    async def prefetch(self, session_id: SessionId, hashes: bytes | Sequence[bytes],
+                       namespace_id: str = "") -> list[PrefetchResult]:
         """Stage disk blocks into the host tier under a lease. A session's leases hold at most
         prefetch_share of the host tier, and all sessions' leases together prefetch_total_share
         (the rest is refused, with the reason: many sessions must not pin the whole tier between
         them); a block already in host memory is leased once, never renewed by another prefetch
         while its lease runs."""
         s = self._session(session_id, namespace_id)
-        self._check_hashes(hashes)
+        hashes = self._hashes(hashes)
         t = self._t
         now = self.clock.now()
         out: list[PrefetchResult] = []
+        blocks = t.index.namespace(s.namespace)
         to_read: list[tuple[int, Entry]] = []
         self._end_expired_leases(now)  # ran out, not reaped yet: no longer count
         budget = min(self._lease_cap() - self._leased_bytes.get(s.id, 0), self._total_lease_cap() - self._leased_total)
         for h in hashes:
-            e = t.index.get(BlockKey(s.namespace, BlockHash(h)))
-            if e is None or e.tier == Tier.NONE:
+            e = blocks.get(h)
+            if e is None or not e.ready or e.tier == Tier.NONE:
                 out.append(PrefetchResult(PrefetchStatus.NOT_FOUND))
             elif e.in_memory:
                 if e.lease_until <= now:  # a running lease (this session's or another's) is not renewed
@@ -565,21 +630,28 @@ class BlockCache:
         s.leased.add(e.key)
         return e.size
 
-    async def retain(self, session_id: SessionId, hashes: Sequence[bytes], ttl_seconds: float,
+    async def retain(self, session_id: SessionId, hashes: bytes | Sequence[bytes], ttl_seconds: float,
                      namespace_id: str = "") -> list[float]:
+        """Extend the retention of stored blocks; the new deadline per hash, 0.0 when not stored or
+        refused by the namespace's retained-bytes cap (ttl 0 changes nothing and reads them)."""
         s = self._session(session_id, namespace_id)
-        self._check_hashes(hashes)
+        hashes = self._hashes(hashes)
         t = self._t
         ttl = t.retention.clamp_ttl(ttl_seconds)
         now = self.clock.now()
-        out: list[float] = []
-        for h in hashes:
-            e = t.index.get(BlockKey(s.namespace, BlockHash(h)))
-            if e is None or e.tier == Tier.NONE:
-                out.append(0.0)
+        blocks = t.index.namespace(s.namespace)
+        out: list[float] = [0.0] * len(hashes)
+        results = StoreResults(1)
+        for k, h in enumerate(hashes):
+            e = blocks.get(h)
+            if e is None or not e.ready or e.tier == Tier.NONE:
                 continue
-            r = await self._retain_one(e, ttl, now, StoreStatus.ALREADY_STORED)
-            out.append(0.0 if r.message else r.deadline)
+            if not ttl:
+                out[k] = e.deadline if e.deadline > now else 0.0
+                continue
+            results.messages.clear()
+            await self._retain_one(e, ttl, now, StoreStatus.ALREADY_STORED, results, 0)
+            out[k] = 0.0 if results.messages else e.deadline
         return out
 
     # --- admin
@@ -723,3 +795,12 @@ class BlockCache:
             if disk != t.disk.used_bytes:
                 problems.append(f"disk tier accounts {t.disk.used_bytes} bytes, its blocks hold {disk}")
         return problems
+
+
+def _scatter(memory, arena: HostArena, host_ids: list[int], host_slots: list[int], ids: list[int],
+             srcs: list[torch.Tensor]) -> None:
+    """One copy job of a Load: host slots -> engine (scatter_from), then disk-read buffers -> engine."""
+    if host_ids:
+        memory.scatter_from(host_ids, arena, host_slots)
+    if ids:
+        memory.scatter(ids, srcs)

@@ -6,20 +6,20 @@ and namespace fields); malformed input raises CacheError(INVALID_ARGUMENT) namin
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from kvservice.sessions_api import NamespaceSpec, OpenedSession, PoolRegion, PoolSpec, SessionInfo
 from kvservice.stats import Counters, Histogram
-from kvservice.types import HASH_BYTES, CacheError, ErrorCode, LoadResult, PrefetchResult, StoreResult, Tier
+from kvservice.types import HASH_BYTES, CacheError, ErrorCode, LoadResults, PrefetchResult, StoreResults
 from kvservice.v1 import admin_pb2, kvcache_pb2
 
 CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t) == sizeof(cudaIpcEventHandle_t)
 MAX_LABEL_CHARS = 256  # model ids, dtypes, layouts, salts, client names
 UINT32_MAX = (1 << 32) - 1
-# the most one block adds to a data or admin request: a BlockRef (32-byte hash, uint32 id, framing)
-# is 42 bytes, a hash as hex text (Admin.DescribeBlocks) 67
+# the most one block adds to a data or admin request: a packed Store/Load block is 32 hash bytes plus
+# a packed uint32 id (<= 5 bytes), a hash as hex text (Admin.DescribeBlocks) 67
 REQUEST_BYTES_PER_BLOCK = 96
 REQUEST_BASE_BYTES = 2 << 20  # session id, namespace id, options: an odd 1 MiB string still gets its reason
 
@@ -127,11 +127,6 @@ def client_name(request: kvcache_pb2.OpenSessionRequest) -> str:
     return _label("client_name", request.client_name, required=False)
 
 
-def block_refs(blocks: Iterable[kvcache_pb2.BlockRef]) -> list[tuple[bytes, int]]:
-    """(hash, engine block id) pairs; the core checks hash lengths and ids against the pool."""
-    return [(b.hash, b.block_id) for b in blocks]
-
-
 # --- core -> replies
 
 
@@ -146,26 +141,23 @@ def open_session_reply(opened: OpenedSession) -> kvcache_pb2.OpenSessionReply:
     )
 
 
-def lookup_reply(tiers: Sequence[Tier]) -> kvcache_pb2.LookupReply:
-    # The stored prefix ends at the first block that is in no tier.
-    prefix: list[int] = []
-    for t in tiers:
-        if t == Tier.NONE:
-            break
-        prefix.append(int(t))
-    return kvcache_pb2.LookupReply(prefix_blocks=len(prefix), tiers=prefix)
+def lookup_reply(tiers: Sequence[int]) -> kvcache_pb2.LookupReply:
+    """`tiers`: the stored prefix's tier values (BlockCache.lookup stops at the first miss)."""
+    return kvcache_pb2.LookupReply(prefix_blocks=len(tiers), tiers=tiers)
 
 
-def store_reply(results: Sequence[StoreResult]) -> kvcache_pb2.StoreReply:
-    return kvcache_pb2.StoreReply(
-        results=[kvcache_pb2.StoreResult(status=int(r.status), deadline=r.deadline, message=r.message) for r in results]
-    )
+def _messages(messages: Mapping[int, str]) -> list[kvcache_pb2.BlockMessage]:
+    return [kvcache_pb2.BlockMessage(index=i, message=m) for i, m in sorted(messages.items())]
 
 
-def load_reply(results: Sequence[LoadResult]) -> kvcache_pb2.LoadReply:
-    return kvcache_pb2.LoadReply(
-        results=[kvcache_pb2.LoadResult(status=int(r.status), tier=int(r.tier), message=r.message) for r in results]
-    )
+def store_reply(results: StoreResults) -> kvcache_pb2.StoreReply:
+    """Packed: a status per block, deadlines only when one is set, messages for the exceptions."""
+    return kvcache_pb2.StoreReply(statuses=results.status, deadlines=results.deadline or (),
+                                  messages=_messages(results.messages))
+
+
+def load_reply(results: LoadResults) -> kvcache_pb2.LoadReply:
+    return kvcache_pb2.LoadReply(statuses=results.status, tiers=results.tier, messages=_messages(results.messages))
 
 
 def prefetch_reply(results: Sequence[PrefetchResult]) -> kvcache_pb2.PrefetchReply:

@@ -7,7 +7,8 @@ Tiers keep their own ordering structures (LRU, deadline heap) over the same entr
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 from kvservice.types import BlockKey, NamespaceId, Tier
 
@@ -69,26 +70,72 @@ class Entry:
         return Tier.NONE
 
 
-@dataclass(slots=True)
 class BlockIndex:
-    entries: dict[BlockKey, Entry] = field(default_factory=dict)
+    """One dict per namespace keyed by the 32-byte hash itself: the hot paths (Lookup, Store, Load)
+    look a batch up with one dict.get per hash on slices of the request's packed field, with no
+    key object built per block. Entries that are not ready (a Store still copying) are in it too:
+    get() hides them, namespace() callers check e.ready."""
+
+    __slots__ = ("_by_ns",)
+
+    def __init__(self) -> None:
+        self._by_ns: dict[NamespaceId, dict[bytes, Entry]] = {}
+
+    def namespace(self, ns: NamespaceId) -> dict[bytes, Entry]:
+        """The namespace's hash -> entry dict (created empty), for batch loops; ready or not."""
+        d = self._by_ns.get(ns)
+        if d is None:
+            d = self._by_ns[ns] = {}
+        return d
+
+    def prefix_tiers(self, ns: NamespaceId, hashes: Sequence[bytes]) -> list[int]:
+        """Tier value (HOST / DISK) of each block of the stored prefix of a chain: stops at the
+        first hash that is not stored (or not ready)."""
+        d = self._by_ns.get(ns)
+        if d is None:
+            return []
+        get = d.get
+        on_disk = DiskState.ON_DISK
+        host, disk = int(Tier.HOST), int(Tier.DISK)
+        out: list[int] = []
+        add = out.append
+        for h in hashes:
+            e = get(h)
+            if e is None or not e.ready:
+                break
+            if e.slot >= 0:
+                add(host)
+            elif e.disk == on_disk:
+                add(disk)
+            else:
+                break
+        return out
 
     def get(self, key: BlockKey) -> Entry | None:
-        e = self.entries.get(key)
+        d = self._by_ns.get(key.namespace)
+        e = d.get(key.hash) if d is not None else None
         return e if e is not None and e.ready else None
 
     def get_any(self, key: BlockKey) -> Entry | None:
-        return self.entries.get(key)
+        d = self._by_ns.get(key.namespace)
+        return d.get(key.hash) if d is not None else None
 
     def add(self, entry: Entry) -> None:
-        self.entries[entry.key] = entry
+        self.namespace(entry.key.namespace)[entry.key.hash] = entry
+
+    def add_many(self, entries: Iterable[Entry]) -> None:
+        """Index many entries at once (restart: the disk tier's blocks)."""
+        for e in entries:
+            self.namespace(e.key.namespace)[e.key.hash] = e
 
     def remove(self, entry: Entry) -> None:
-        if self.entries.get(entry.key) is entry:
-            del self.entries[entry.key]
+        d = self._by_ns.get(entry.key.namespace)
+        if d is not None and d.get(entry.key.hash) is entry:
+            del d[entry.key.hash]
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return sum(len(d) for d in self._by_ns.values())
 
-    def values(self):
-        return self.entries.values()
+    def values(self) -> Iterator[Entry]:
+        for d in list(self._by_ns.values()):
+            yield from d.values()

@@ -66,33 +66,31 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
 
     @maps_cache_errors
     async def Lookup(self, request: kvcache_pb2.LookupRequest, context: grpc.aio.ServicerContext) -> kvcache_pb2.LookupReply:
-        tiers = self._cache.lookup(SessionId(request.session_id), list(request.hashes), request.namespace_id)
+        tiers = self._cache.lookup(SessionId(request.session_id), request.hashes, request.namespace_id)
         return convert.lookup_reply(tiers)
 
     @maps_cache_errors
     async def Store(self, request: kvcache_pb2.StoreRequest, context: grpc.aio.ServicerContext) -> kvcache_pb2.StoreReply:
-        results = await self._cache.store(
-            SessionId(request.session_id), convert.block_refs(request.blocks), request.ttl_seconds, request.namespace_id
-        )
+        results = await self._cache.store(SessionId(request.session_id), request.hashes, request.block_ids,
+                                          request.ttl_seconds, request.namespace_id)
         return convert.store_reply(results)
 
     @maps_cache_errors
     async def Load(self, request: kvcache_pb2.LoadRequest, context: grpc.aio.ServicerContext) -> kvcache_pb2.LoadReply:
-        results = await self._cache.load(
-            SessionId(request.session_id), convert.block_refs(request.blocks), request.namespace_id
-        )
+        results = await self._cache.load(SessionId(request.session_id), request.hashes, request.block_ids,
+                                         request.namespace_id)
         return convert.load_reply(results)
 
     @maps_cache_errors
     async def Prefetch(
         self, request: kvcache_pb2.PrefetchRequest, context: grpc.aio.ServicerContext
     ) -> kvcache_pb2.PrefetchReply:
-        results = await self._cache.prefetch(SessionId(request.session_id), list(request.hashes), request.namespace_id)
+        results = await self._cache.prefetch(SessionId(request.session_id), request.hashes, request.namespace_id)
         return convert.prefetch_reply(results)
 
     @maps_cache_errors
     async def Retain(self, request: kvcache_pb2.RetainRequest, context: grpc.aio.ServicerContext) -> kvcache_pb2.RetainReply:
         deadlines = await self._cache.retain(
-            SessionId(request.session_id), list(request.hashes), request.ttl_seconds, request.namespace_id
+            SessionId(request.session_id), request.hashes, request.ttl_seconds, request.namespace_id
         )
         return kvcache_pb2.RetainReply(deadlines=deadlines)

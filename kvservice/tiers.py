@@ -161,7 +161,7 @@ class Tiers:
                 e.disk_deadline = e.deadline
                 if e.deadline > 0:
                     self.retention.track(e)
-            self.index.entries.update(zip(keys, entries))
+            self.index.add_many(entries)
             self.disk.adopt_many(entries)
         finally:
             if gc_was_on:

@@ -81,6 +81,65 @@ class LoadResult:
     message: str = ""
 
 
+class StoreResults:
+    """A Store's per-block outcome as parallel arrays (what StoreReply carries): a status per block,
+    a deadline per block (None: all 0), a message only for the blocks that have one. Indexing or
+    iterating builds a StoreResult per block (tests, in-process callers); the servicer reads the arrays."""
+
+    __slots__ = ("status", "deadline", "messages")
+
+    def __init__(self, n: int) -> None:
+        self.status: list[int] = [0] * n
+        self.deadline: list[float] | None = None
+        self.messages: dict[int, str] = {}
+
+    def set(self, i: int, status: StoreStatus, deadline: float = 0.0, message: str = "") -> None:
+        self.status[i] = status
+        if deadline:
+            if self.deadline is None:
+                self.deadline = [0.0] * len(self.status)
+            self.deadline[i] = deadline
+        if message:
+            self.messages[i] = message
+
+    def __len__(self) -> int:
+        return len(self.status)
+
+    def __getitem__(self, i: int) -> StoreResult:
+        return StoreResult(StoreStatus(self.status[i]), self.deadline[i] if self.deadline else 0.0,
+                           self.messages.get(i, ""))
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self.status)))
+
+
+class LoadResults:
+    """A Load's per-block outcome as parallel arrays (what LoadReply carries): status and source tier
+    per block, a message only for the blocks that have one. Indexing builds a LoadResult."""
+
+    __slots__ = ("status", "tier", "messages")
+
+    def __init__(self, n: int) -> None:
+        self.status: list[int] = [0] * n
+        self.tier: list[int] = [0] * n
+        self.messages: dict[int, str] = {}
+
+    def set(self, i: int, status: LoadStatus, tier: Tier = Tier.NONE, message: str = "") -> None:
+        self.status[i] = status
+        self.tier[i] = tier
+        if message:
+            self.messages[i] = message
+
+    def __len__(self) -> int:
+        return len(self.status)
+
+    def __getitem__(self, i: int) -> LoadResult:
+        return LoadResult(LoadStatus(self.status[i]), Tier(self.tier[i]), self.messages.get(i, ""))
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self.status)))
+
+
 class ErrorCode(enum.Enum):
     """Request-level failures; the servicer maps each to the gRPC status of the same name."""
 

@@ -78,18 +78,16 @@ class Engine:
         self.sid = cache.open_session(ns or ns_spec(), pool.spec, CANARY, "test").session_id
 
     async def store(self, numbers: list[int], ttl: float = 0.0):
-        refs = []
         for slot, i in enumerate(numbers):
             self.pool.write(slot, content(i, self.pool.block_bytes))
-            refs.append((h(i), slot))
-        return await self.cache.store(self.sid, refs, ttl)
+        return await self.cache.store(self.sid, [h(i) for i in numbers], list(range(len(numbers))), ttl)
 
     async def load(self, numbers: list[int]):
         """Load into fresh slots (zeroed first) and check bytes; returns results."""
         base = self.pool.num_blocks // 2
         for k in range(len(numbers)):
             self.pool.write(base + k, bytes(self.pool.block_bytes))
-        res = await self.cache.load(self.sid, [(h(i), base + k) for k, i in enumerate(numbers)])
+        res = await self.cache.load(self.sid, [h(i) for i in numbers], [base + k for k in range(len(numbers))])
         for k, (i, r) in enumerate(zip(numbers, res)):
             if r.status == 1:  # LOADED: bytes must be exact
                 assert self.pool.read(base + k) == content(i, self.pool.block_bytes), f"wrong bytes for block {i}"

@@ -347,7 +347,7 @@ def test_tcp_serves_no_data_plane_even_to_this_uid(daemon):
     with EngineProc(daemon.target) as e, grpc.insecure_channel(daemon.tcp_address) as ch:
         with pytest.raises(grpc.RpcError) as err:
             kvcache_pb2_grpc.KVCacheStub(ch).Lookup(
-                kvcache_pb2.LookupRequest(session_id=e.hello["session"], hashes=[h(0)]), timeout=10)
+                kvcache_pb2.LookupRequest(session_id=e.hello["session"], hashes=h(0)), timeout=10)
         assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
     tcp_engine = EngineProc(daemon.tcp_address)
     try:
@@ -384,10 +384,10 @@ def test_error_messages_quote_at_most_a_short_prefix_of_client_input(daemon):
     with EngineProc(daemon.target) as e, grpc.insecure_channel(daemon.target) as ch:
         stub = kvcache_pb2_grpc.KVCacheStub(ch)
         with pytest.raises(grpc.RpcError) as err:
-            stub.Lookup(kvcache_pb2.LookupRequest(session_id="x" * (1 << 20), hashes=[h(0)]), timeout=10)
+            stub.Lookup(kvcache_pb2.LookupRequest(session_id="x" * (1 << 20), hashes=h(0)), timeout=10)
         assert err.value.code() == grpc.StatusCode.NOT_FOUND and len(err.value.details()) < 200
         with pytest.raises(grpc.RpcError) as err:
-            stub.Lookup(kvcache_pb2.LookupRequest(session_id=e.hello["session"], hashes=[h(0)],
+            stub.Lookup(kvcache_pb2.LookupRequest(session_id=e.hello["session"], hashes=h(0),
                                                   namespace_id="n" * (1 << 20)), timeout=10)
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and len(err.value.details()) < 300
         assert "(1048576 characters)" in err.value.details()

@@ -111,7 +111,7 @@ def ctx(daemon, stub, pool) -> Iterator[Ctx]:
     stub.CloseSession(pb.CloseSessionRequest(session_id=other.session_id), timeout=10)
     c = Ctx(daemon, stub, pool, mine.session_id, mine.namespace_id, other.namespace_id)
     # a stored block fixes the namespace's canary (opening a session does not)
-    assert [r.status for r in store(c, refs((os.urandom(32), 0))).results] == [STORED]
+    assert list(store(c, refs((os.urandom(32), 0))).statuses) == [STORED]
     yield c
     stub.CloseSession(pb.CloseSessionRequest(session_id=mine.session_id), timeout=10)
 
@@ -120,16 +120,17 @@ def h(k: int) -> bytes:
     return bytes([k % 256]) * 32
 
 
-def refs(*pairs: tuple[bytes, int]) -> list[pb.BlockRef]:
-    return [pb.BlockRef(hash=hh, block_id=b) for hh, b in pairs]
+def refs(*pairs: tuple[bytes, int]) -> dict:
+    """The packed fields of a Store/Load: hashes joined (n x 32 bytes), block ids parallel to them."""
+    return dict(hashes=b"".join(hh for hh, _ in pairs), block_ids=[b for _, b in pairs])
 
 
-def store(c: Ctx, blocks: list[pb.BlockRef], **kw):
-    return c.stub.Store(pb.StoreRequest(session_id=kw.pop("session_id", c.session_id), blocks=blocks, **kw), timeout=10)
+def store(c: Ctx, blocks: dict, **kw):
+    return c.stub.Store(pb.StoreRequest(session_id=kw.pop("session_id", c.session_id), **blocks, **kw), timeout=10)
 
 
-def load(c: Ctx, blocks: list[pb.BlockRef], **kw):
-    return c.stub.Load(pb.LoadRequest(session_id=kw.pop("session_id", c.session_id), blocks=blocks, **kw), timeout=10)
+def load(c: Ctx, blocks: dict, **kw):
+    return c.stub.Load(pb.LoadRequest(session_id=kw.pop("session_id", c.session_id), **blocks, **kw), timeout=10)
 
 
 def call(c: Ctx, method: str, **fields):
@@ -171,7 +172,7 @@ def a_pipe(c: Ctx) -> int:
     return r
 
 
-def many(n: int) -> list[pb.BlockRef]:
+def many(n: int) -> dict:
     return refs(*((h(k), k) for k in range(n)))
 
 
@@ -181,21 +182,33 @@ BAD_REQUESTS: list[tuple[str, Callable[[Ctx], object], grpc.StatusCode, str]] = 
      INVALID, f"block_id {POOL_BLOCKS} (#0) is outside the pool's {POOL_BLOCKS} blocks"),
     ("load block id far past the pool", lambda c: load(c, refs((h(1), 0), (h(2), 4_000_000_000))),
      INVALID, "block_id 4000000000 (#1) is outside the pool's"),
-    ("store short hash", lambda c: store(c, refs((b"\x01" * 31, 0))), INVALID, "hash #0 has 31 bytes, expected 32"),
-    ("load empty hash", lambda c: load(c, refs((h(1), 0), (b"", 1))), INVALID, "hash #1 has 0 bytes, expected 32"),
-    ("lookup long hash", lambda c: call(c, "Lookup", hashes=[b"x" * 33]),
-     INVALID, "hash #0 has 33 bytes"),
+    ("store short hash", lambda c: store(c, refs((b"\x01" * 31, 0))), INVALID,
+     "hashes has 31 bytes, not a multiple of 32"),
+    ("load a hash short", lambda c: load(c, refs((h(1), 0), (b"\x02" * 31, 1))), INVALID,
+     "hashes has 63 bytes, not a multiple of 32"),
+    ("lookup long hash", lambda c: call(c, "Lookup", hashes=b"x" * 33),
+     INVALID, "hashes has 33 bytes, not a multiple of 32"),
+    ("prefetch hashes not a multiple of 32", lambda c: call(c, "Prefetch", hashes=b"x" * 65),
+     INVALID, "hashes has 65 bytes"),
+    ("retain hashes not a multiple of 32", lambda c: call(c, "Retain", hashes=b"x" * 16, ttl_seconds=5),
+     INVALID, "hashes has 16 bytes"),
+    ("store fewer block ids than hashes", lambda c: store(c, dict(hashes=h(1) + h(2), block_ids=[0])),
+     INVALID, "1 block_ids for 2 hashes"),
+    ("load more block ids than hashes", lambda c: load(c, dict(hashes=h(1), block_ids=[0, 1])),
+     INVALID, "2 block_ids for 1 hashes"),
+    ("store hashes without block ids", lambda c: store(c, dict(hashes=h(1) + h(2))),
+     INVALID, "0 block_ids for 2 hashes"),
     ("store oversize batch", lambda c: store(c, many(MAX_BATCH + 1)),
      EXHAUSTED, f"batch of {MAX_BATCH + 1} blocks exceeds max_batch_blocks = {MAX_BATCH}"),
     ("load oversize batch", lambda c: load(c, many(MAX_BATCH + 1)), EXHAUSTED, "exceeds max_batch_blocks"),
     ("lookup oversize batch",
-     lambda c: call(c, "Lookup", hashes=[h(k) for k in range(100)]),
+     lambda c: call(c, "Lookup", hashes=b"".join(h(k) for k in range(100))),
      EXHAUSTED, "batch of 100 blocks exceeds max_batch_blocks"),
     ("prefetch oversize batch",
-     lambda c: call(c, "Prefetch", hashes=[h(k) for k in range(17)]),
+     lambda c: call(c, "Prefetch", hashes=b"".join(h(k) for k in range(17))),
      EXHAUSTED, "exceeds max_batch_blocks"),
     # the receive limit follows max_batch_blocks: gRPC refuses this before anything parses it
-    ("store message larger than any valid one", lambda c: store(c, many(60_000)), EXHAUSTED, "larger than max"),
+    ("store message larger than any valid one", lambda c: store(c, many(100_000)), EXHAUSTED, "larger than max"),
     ("store unknown session", lambda c: store(c, refs((h(1), 0)), session_id="0" * 32),
      NOT_FOUND, "unknown or closed session"),
     ("load empty session id", lambda c: load(c, refs((h(1), 0)), session_id=""),
@@ -209,14 +222,14 @@ BAD_REQUESTS: list[tuple[str, Callable[[Ctx], object], grpc.StatusCode, str]] = 
     ("load from another namespace", lambda c: load(c, refs((h(1), 0)), namespace_id=c.other_namespace_id),
      DENIED, "opened namespace"),
     ("lookup in another namespace",
-     lambda c: call(c, "Lookup", hashes=[h(1)], namespace_id="f" * 32),
+     lambda c: call(c, "Lookup", hashes=h(1), namespace_id="f" * 32),
      DENIED, "opened namespace"),
     ("store negative ttl", lambda c: store(c, refs((h(1), 0)), ttl_seconds=-1.0),
      INVALID, "ttl_seconds must be a finite number >= 0, got -1.0"),
     ("store NaN ttl", lambda c: store(c, refs((h(1), 0)), ttl_seconds=math.nan), INVALID, "got nan"),
     ("store infinite ttl", lambda c: store(c, refs((h(1), 0)), ttl_seconds=math.inf), INVALID, "got inf"),
     ("retain negative ttl",
-     lambda c: call(c, "Retain", hashes=[h(1)], ttl_seconds=-5),
+     lambda c: call(c, "Retain", hashes=h(1), ttl_seconds=-5),
      INVALID, "ttl_seconds must be a finite number >= 0"),
     ("store duplicate block ids", lambda c: store(c, refs((h(1), 3), (h(2), 3))), INVALID, "a block_id appears twice"),
     ("load duplicate block ids", lambda c: load(c, refs((h(1), 5), (h(2), 6), (h(3), 5))), INVALID, "appears twice"),
@@ -261,11 +274,11 @@ def _good_round_trip(c: Ctx) -> None:
     for slot, data in enumerate(blocks):
         c.pool.write_block(slot, data)
     stored = store(c, refs((hashes[0], 0), (hashes[1], 1)))
-    assert [r.status for r in stored.results] == [STORED, STORED]
+    assert list(stored.statuses) == [STORED, STORED]
     for slot in (10, 11):
         c.pool.write_block(slot, bytes(BLOCK))
     loaded = load(c, refs((hashes[0], 10), (hashes[1], 11)))
-    assert [r.status for r in loaded.results] == [LOADED, LOADED]
+    assert list(loaded.statuses) == [LOADED, LOADED]
     assert [c.pool.read_block(10), c.pool.read_block(11)] == blocks
 
 
@@ -301,7 +314,7 @@ def test_namespace_mismatch_message_names_both_namespaces(daemon, ctx):
     assert ctx.namespace_id in err.value.details() and ctx.other_namespace_id in err.value.details()
     # its own namespace id, given explicitly, is fine
     ok = store(ctx, refs((os.urandom(32), 0)), namespace_id=ctx.namespace_id)
-    assert [r.status for r in ok.results] == [STORED]
+    assert list(ok.statuses) == [STORED]
 
 
 def test_refused_open_session_does_not_claim_the_namespace(daemon, stub, pool):

@@ -270,6 +270,12 @@ def unreachable_target() -> str:
     return f"unix://{tempfile.gettempdir()}/no-kvservice-{uuid.uuid4().hex[:8]}.sock"
 
 
+def split(packed: bytes) -> list[bytes]:
+    """The wire's packed hashes (n x 32 bytes) as a list."""
+    assert len(packed) % 32 == 0, len(packed)
+    return [packed[i:i + 32] for i in range(0, len(packed), 32)]
+
+
 def assert_answers_like_an_empty_cache(results: dict) -> None:
     assert [r.status for r in results["load"]] == [kvcache_pb2.MISSING] * 3
     assert all(r.message == "daemon unreachable" for r in results["load"])
@@ -426,47 +432,56 @@ class StandInDaemon(kvcache_pb2_grpc.KVCacheServicer):
         return kvcache_pb2.CloseSessionReply()
 
     def Lookup(self, request, context):
-        self._begin("Lookup", request, len(request.hashes), context)
+        hashes = split(request.hashes)
+        self._begin("Lookup", request, len(hashes), context)
         n = 0
-        while n < len(request.hashes) and request.hashes[n] in self.blocks:
+        while n < len(hashes) and hashes[n] in self.blocks:
             n += 1
         return kvcache_pb2.LookupReply(prefix_blocks=n, tiers=[kvcache_pb2.TIER_HOST] * n)
 
     def Store(self, request, context):
-        shm, regions, _ = self._begin("Store", request, len(request.blocks), context)
-        for ref in request.blocks:
-            self.blocks[ref.hash] = b"".join(
-                bytes(shm.buf[r.offset + ref.block_id * r.block_stride:][: r.block_bytes]) for r in regions)
+        hashes = split(request.hashes)
+        shm, regions, _ = self._begin("Store", request, len(hashes), context)
+        assert len(request.block_ids) == len(hashes)
+        for hh, block_id in zip(hashes, request.block_ids):
+            self.blocks[hh] = b"".join(
+                bytes(shm.buf[r.offset + block_id * r.block_stride:][: r.block_bytes]) for r in regions)
         deadline = time.time() + request.ttl_seconds if request.ttl_seconds > 0 else 0.0
-        return kvcache_pb2.StoreReply(results=[kvcache_pb2.StoreResult(status=kvcache_pb2.STORED, deadline=deadline)
-                                               for _ in request.blocks])
+        return kvcache_pb2.StoreReply(statuses=[kvcache_pb2.STORED] * len(hashes),
+                                      deadlines=[deadline] * len(hashes) if deadline else [])
 
     def Load(self, request, context):
-        shm, regions, _ = self._begin("Load", request, len(request.blocks), context)
+        hashes = split(request.hashes)
+        shm, regions, _ = self._begin("Load", request, len(hashes), context)
+        assert len(request.block_ids) == len(hashes)
         time.sleep(self.load_delay)
-        results = []
-        for ref in request.blocks:
-            data = self.blocks.get(ref.hash)
+        statuses, tiers = [], []
+        for hh, block_id in zip(hashes, request.block_ids):
+            data = self.blocks.get(hh)
             if data is None:
-                results.append(kvcache_pb2.LoadResult(status=kvcache_pb2.MISSING))
+                statuses.append(kvcache_pb2.MISSING)
+                tiers.append(kvcache_pb2.TIER_UNSPECIFIED)
                 continue
             pos = 0
             for r in regions:
-                start = r.offset + ref.block_id * r.block_stride
+                start = r.offset + block_id * r.block_stride
                 shm.buf[start : start + r.block_bytes] = data[pos : pos + r.block_bytes]
                 pos += r.block_bytes
-            results.append(kvcache_pb2.LoadResult(status=kvcache_pb2.LOADED, tier=kvcache_pb2.TIER_HOST))
-        return kvcache_pb2.LoadReply(results=results)
+            statuses.append(kvcache_pb2.LOADED)
+            tiers.append(kvcache_pb2.TIER_HOST)
+        return kvcache_pb2.LoadReply(statuses=statuses, tiers=tiers)
 
     def Prefetch(self, request, context):
-        self._begin("Prefetch", request, len(request.hashes), context)
+        hashes = split(request.hashes)
+        self._begin("Prefetch", request, len(hashes), context)
         return kvcache_pb2.PrefetchReply(results=[
-            kvcache_pb2.ALREADY_IN_HOST if h in self.blocks else kvcache_pb2.NOT_FOUND for h in request.hashes])
+            kvcache_pb2.ALREADY_IN_HOST if h in self.blocks else kvcache_pb2.NOT_FOUND for h in hashes])
 
     def Retain(self, request, context):
-        self._begin("Retain", request, len(request.hashes), context)
+        hashes = split(request.hashes)
+        self._begin("Retain", request, len(hashes), context)
         return kvcache_pb2.RetainReply(deadlines=[
-            time.time() + request.ttl_seconds if h in self.blocks else 0.0 for h in request.hashes])
+            time.time() + request.ttl_seconds if h in self.blocks else 0.0 for h in hashes])
 
     def _session(self, session_id, context):
         with self.lock:
@@ -480,9 +495,9 @@ class StandInDaemon(kvcache_pb2_grpc.KVCacheServicer):
         self.calls.append((rpc, count))
         if count > self.max_batch_blocks:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{count} blocks > max_batch_blocks")
-        for ref in getattr(request, "blocks", ()):
-            if ref.block_id >= session[2]:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"block id {ref.block_id} >= pool size {session[2]}")
+        for block_id in getattr(request, "block_ids", ()):
+            if block_id >= session[2]:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"block id {block_id} >= pool size {session[2]}")
         return session
 
     def shutdown(self) -> None:

@@ -21,10 +21,39 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvservice.clock import FakeClock
 from kvservice.types import CacheError, LoadStatus, StoreStatus
-from tests.corekit import Engine, Pool, h, small_config, started_cache
+from tests.corekit import Engine, Pool, content, h, small_config, started_cache
 
 NUMBERS = st.lists(st.integers(0, 11), min_size=1, max_size=4, unique=True)
 OPS = st.lists(st.tuples(st.sampled_from(["store", "store_ttl", "load", "prefetch"]), NUMBERS), min_size=1, max_size=3)
+
+
+class SlotSafeEngine(Engine):
+    """Concurrent calls of one engine never share a pool slot, as an engine's must not (a Store's
+    blocks stay unchanged until it returns, a Load's targets are its own): block i is always
+    stored from slot i, with block i's bytes; each Load of a rule lands in a window of slots of
+    its own (LOAD_BASE + 4 x k), which no Store reads."""
+
+    LOAD_BASE = 16
+
+    def __init__(self, cache, pool) -> None:
+        super().__init__(cache, pool)
+        self._loads = 0
+
+    async def store(self, numbers: list[int], ttl: float = 0.0):
+        for i in numbers:
+            self.pool.write(i, content(i, self.pool.block_bytes))
+        return await self.cache.store(self.sid, [h(i) for i in numbers], list(numbers), ttl)
+
+    async def load(self, numbers: list[int]):
+        base = self.LOAD_BASE + 4 * (self._loads % 4)
+        self._loads += 1
+        for k in range(len(numbers)):
+            self.pool.write(base + k, bytes(self.pool.block_bytes))
+        res = await self.cache.load(self.sid, [h(i) for i in numbers], [base + k for k in range(len(numbers))])
+        for k, (i, r) in enumerate(zip(numbers, res)):
+            if r.status == LoadStatus.LOADED:
+                assert self.pool.read(base + k) == content(i, self.pool.block_bytes), f"wrong bytes for block {i}"
+        return res
 
 
 class LifecycleMachine(RuleBasedStateMachine):
@@ -38,8 +67,8 @@ class LifecycleMachine(RuleBasedStateMachine):
                            lease_seconds=30.0, pin_lease_seconds=5.0, prefetch_share=0.5)
         self.ctx = started_cache(cfg, self.clock)
         self.cache = self.loop.run_until_complete(self.ctx.__aenter__())
-        self.pool = Pool(num_blocks=16)
-        self.eng = Engine(self.cache, self.pool)
+        self.pool = Pool(num_blocks=32)
+        self.eng = SlotSafeEngine(self.cache, self.pool)
 
     def run(self, coro):
         return self.loop.run_until_complete(coro)
@@ -61,7 +90,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         try:
             self.cache.heartbeat(self.eng.sid)
         except CacheError:  # reaped: the engine opens a new session, as engine_client would
-            self.eng = Engine(self.cache, self.pool)
+            self.eng = SlotSafeEngine(self.cache, self.pool)
 
     @rule(ops=OPS, steps=st.integers(0, 12))
     def concurrent_calls_cancelled_after_some_steps(self, ops, steps):
@@ -114,7 +143,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     def close_and_reopen(self):
         self.run(self.cache.close_session(self.eng.sid))
         self.run(self._settle())
-        self.eng = Engine(self.cache, self.pool)
+        self.eng = SlotSafeEngine(self.cache, self.pool)
 
     @rule()
     def evict_all(self):

@@ -99,7 +99,8 @@ class Ctx:
                                                                                    self.daemon.tcp_address)
         env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
                "KVSERVICE_ADMIN_TOKEN": TOKEN, "NAMESPACE_ID": self.engine.hello["namespace"],
-               "BLOCK_HASH": h(170).hex()}
+               "BLOCK_HASH": h(170).hex(), "SESSION_ID": self.engine.hello["session"],
+               "BLOCK_HASHES": h(180).hex() + h(181).hex()}
         return subprocess.run(["bash", "-c", f"set -o pipefail; {command}"], capture_output=True, text=True,
                               env=env, timeout=60)
 
@@ -186,6 +187,12 @@ def check_describe_blocks(c: Ctx) -> None:
     assert "host" in block["tiers"] and block["retained"] is True and block["retained_until"].endswith("Z")
 
 
+def check_kvcache_lookup(c: Ctx) -> None:
+    """$BLOCK_HASHES is blocks 180 and 181, packed into one base64 string: both stored, both in host memory."""
+    c.store([180, 181])
+    assert c.json() == {"prefix_blocks": 2, "tiers": ["TIER_HOST", "TIER_HOST"]}
+
+
 def check_get_config(c: Ctx) -> None:
     """The pipe prints the TOML itself, which reads back; the token is masked."""
     cfg = tomllib.loads(c.ok())
@@ -241,6 +248,7 @@ CHECKS: dict[str, Callable[[Ctx], None]] = {
     "kvservice.v1.Admin/ListSessions": check_list_sessions,
     "kvservice.v1.Admin/ListNamespaces": check_list_namespaces,
     "kvservice.v1.Admin/GetConfig": check_get_config,
+    "kvservice.v1.KVCache/Lookup {hashes,session_id} without admin_token": check_kvcache_lookup,
     "kvservice.v1.Admin/DescribeBlocks {hashes,namespace_id} without admin_token": check_describe_blocks,
     "kvservice.v1.Admin/Evict {expired}": check_evict_expired,
     "kvservice.v1.Admin/Evict {namespace_id}": check_evict_namespace,

@@ -168,9 +168,10 @@ def call(step: dict, own: str) -> dict:
     method = step["method"]
     fields: dict = {"session_id": sid}
     if "blocks" in step:
-        fields["blocks"] = [kvcache_pb2.BlockRef(hash=bytes.fromhex(h), block_id=b) for h, b in step["blocks"]]
+        fields["hashes"] = b"".join(bytes.fromhex(h) for h, _ in step["blocks"])  # packed: n x 32 bytes
+        fields["block_ids"] = [b for _, b in step["blocks"]]
     if "hashes" in step:
-        fields["hashes"] = [bytes.fromhex(h) for h in step["hashes"]]
+        fields["hashes"] = b"".join(bytes.fromhex(h) for h in step["hashes"])
     if step.get("namespace_id"):
         fields["namespace_id"] = step["namespace_id"]
     request = getattr(kvcache_pb2, f"{method}Request")(**fields)
@@ -179,7 +180,10 @@ def call(step: dict, own: str) -> dict:
             reply = getattr(kvcache_pb2_grpc.KVCacheStub(ch), method)(request, timeout=10)
         except grpc.RpcError as e:
             return {"code": e.code().name, "details": e.details()}
-    return {"code": "OK", "results": json_format.MessageToDict(reply).get("results", [])}
+    # per-block statuses, as {"status": NAME} rows (Store/Load replies carry them packed)
+    got = json_format.MessageToDict(reply)
+    statuses = got.get("statuses", [r.get("status") for r in got.get("results", [])])
+    return {"code": "OK", "results": [{"status": st} for st in statuses]}
 
 
 if __name__ == "__main__":

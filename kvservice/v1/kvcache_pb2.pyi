@@ -181,14 +181,14 @@ class CloseSessionReply(_message.Message):
     def __init__(self) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("session_id", "hashes", "namespace_id")
+    __slots__ = ("session_id", "namespace_id", "hashes")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    HASHES_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    hashes: _containers.RepeatedScalarFieldContainer[bytes]
     namespace_id: str
-    def __init__(self, session_id: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., namespace_id: _Optional[str] = ...) -> None: ...
+    hashes: bytes
+    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[str] = ..., hashes: _Optional[bytes] = ...) -> None: ...
 
 class LookupReply(_message.Message):
     __slots__ = ("prefix_blocks", "tiers")
@@ -198,80 +198,6 @@ class LookupReply(_message.Message):
     tiers: _containers.RepeatedScalarFieldContainer[Tier]
     def __init__(self, prefix_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
-class BlockRef(_message.Message):
-    __slots__ = ("hash", "block_id")
-    HASH_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
-    hash: bytes
-    block_id: int
-    def __init__(self, hash: _Optional[bytes] = ..., block_id: _Optional[int] = ...) -> None: ...
-
-class StoreRequest(_message.Message):
-    __slots__ = ("session_id", "blocks", "ttl_seconds", "priority", "namespace_id")
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    PRIORITY_FIELD_NUMBER: _ClassVar[int]
-    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
-    blocks: _containers.RepeatedCompositeFieldContainer[BlockRef]
-    ttl_seconds: float
-    priority: int
-    namespace_id: str
-    def __init__(self, session_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., ttl_seconds: _Optional[float] = ..., priority: _Optional[int] = ..., namespace_id: _Optional[str] = ...) -> None: ...
-
-class StoreResult(_message.Message):
-    __slots__ = ("status", "deadline", "message")
-    STATUS_FIELD_NUMBER: _ClassVar[int]
-    DEADLINE_FIELD_NUMBER: _ClassVar[int]
-    MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    status: StoreStatus
-    deadline: float
-    message: str
-    def __init__(self, status: _Optional[_Union[StoreStatus, str]] = ..., deadline: _Optional[float] = ..., message: _Optional[str] = ...) -> None: ...
-
-class StoreReply(_message.Message):
-    __slots__ = ("results",)
-    RESULTS_FIELD_NUMBER: _ClassVar[int]
-    results: _containers.RepeatedCompositeFieldContainer[StoreResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[StoreResult, _Mapping]]] = ...) -> None: ...
-
-class LoadRequest(_message.Message):
-    __slots__ = ("session_id", "blocks", "namespace_id")
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
-    blocks: _containers.RepeatedCompositeFieldContainer[BlockRef]
-    namespace_id: str
-    def __init__(self, session_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., namespace_id: _Optional[str] = ...) -> None: ...
-
-class LoadResult(_message.Message):
-    __slots__ = ("status", "tier", "message")
-    STATUS_FIELD_NUMBER: _ClassVar[int]
-    TIER_FIELD_NUMBER: _ClassVar[int]
-    MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    status: LoadStatus
-    tier: Tier
-    message: str
-    def __init__(self, status: _Optional[_Union[LoadStatus, str]] = ..., tier: _Optional[_Union[Tier, str]] = ..., message: _Optional[str] = ...) -> None: ...
-
-class LoadReply(_message.Message):
-    __slots__ = ("results",)
-    RESULTS_FIELD_NUMBER: _ClassVar[int]
-    results: _containers.RepeatedCompositeFieldContainer[LoadResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[LoadResult, _Mapping]]] = ...) -> None: ...
-
-class PrefetchRequest(_message.Message):
-    __slots__ = ("session_id", "hashes", "namespace_id")
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    HASHES_FIELD_NUMBER: _ClassVar[int]
-    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
-    hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    namespace_id: str
-    def __init__(self, session_id: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., namespace_id: _Optional[str] = ...) -> None: ...
-
 class BlockMessage(_message.Message):
     __slots__ = ("index", "message")
     INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +205,64 @@ class BlockMessage(_message.Message):
     index: int
     message: str
     def __init__(self, index: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class StoreRequest(_message.Message):
+    __slots__ = ("session_id", "ttl_seconds", "priority", "namespace_id", "hashes", "block_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    ttl_seconds: float
+    priority: int
+    namespace_id: str
+    hashes: bytes
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., priority: _Optional[int] = ..., namespace_id: _Optional[str] = ..., hashes: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StoreReply(_message.Message):
+    __slots__ = ("statuses", "deadlines", "messages")
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    DEADLINES_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    statuses: _containers.RepeatedScalarFieldContainer[StoreStatus]
+    deadlines: _containers.RepeatedScalarFieldContainer[float]
+    messages: _containers.RepeatedCompositeFieldContainer[BlockMessage]
+    def __init__(self, statuses: _Optional[_Iterable[_Union[StoreStatus, str]]] = ..., deadlines: _Optional[_Iterable[float]] = ..., messages: _Optional[_Iterable[_Union[BlockMessage, _Mapping]]] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ("session_id", "namespace_id", "hashes", "block_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    namespace_id: str
+    hashes: bytes
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[str] = ..., hashes: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LoadReply(_message.Message):
+    __slots__ = ("statuses", "tiers", "messages")
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    statuses: _containers.RepeatedScalarFieldContainer[LoadStatus]
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    messages: _containers.RepeatedCompositeFieldContainer[BlockMessage]
+    def __init__(self, statuses: _Optional[_Iterable[_Union[LoadStatus, str]]] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., messages: _Optional[_Iterable[_Union[BlockMessage, _Mapping]]] = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("session_id", "namespace_id", "hashes")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    namespace_id: str
+    hashes: bytes
+    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[str] = ..., hashes: _Optional[bytes] = ...) -> None: ...
 
 class PrefetchReply(_message.Message):
     __slots__ = ("results", "messages")
@@ -289,16 +273,16 @@ class PrefetchReply(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[PrefetchStatus, str]]] = ..., messages: _Optional[_Iterable[_Union[BlockMessage, _Mapping]]] = ...) -> None: ...
 
 class RetainRequest(_message.Message):
-    __slots__ = ("session_id", "hashes", "ttl_seconds", "namespace_id")
+    __slots__ = ("session_id", "ttl_seconds", "namespace_id", "hashes")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    HASHES_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    hashes: _containers.RepeatedScalarFieldContainer[bytes]
     ttl_seconds: float
     namespace_id: str
-    def __init__(self, session_id: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., ttl_seconds: _Optional[float] = ..., namespace_id: _Optional[str] = ...) -> None: ...
+    hashes: bytes
+    def __init__(self, session_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., namespace_id: _Optional[str] = ..., hashes: _Optional[bytes] = ...) -> None: ...
 
 class RetainReply(_message.Message):
     __slots__ = ("deadlines",)
