@@ -6,6 +6,7 @@ open itself is covered in test_disk_faults.)"""
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import shutil
@@ -312,3 +313,59 @@ def test_planted_files_and_crafted_rows_degrade_per_block_after_a_restart(tmp_pa
             assert d.stats().counters.checksum_failures == 1
             assert eng.call("load", numbers=[2])["status"] == [MISSING]
         assert "Traceback" not in d.log()
+
+
+async def test_eio_on_a_disk_read_fails_that_block_alone_over_the_socket(monkeypatch):
+    """Scenario: blocks 0-7 are on disk (segments, in-process server, real socket); the disk
+    answers EIO for any read that touches block 3's slot (injected at the segment read syscall).
+    A Load of 3 gives FAILED with the OS's message ("Input/output error", "discarded"), counted in
+    io_errors and load_failures, the engine block untouched; a Load of the other seven (their
+    requests do not touch that slot) is exact from disk; block 3 is then MISSING and the core's
+    audit is clean: no INTERNAL, no pin or half-made entry left."""
+    workdir = short_tmpdir()
+    config = Config(socket_path=str(workdir / "kv.sock"), host_capacity_bytes=16 * BLOCK,
+                    disk_path=str(workdir / "disk"), disk_capacity_bytes=4 << 20,
+                    writer_threads=2, reader_threads=2, io_backend="posix")
+    assert config.disk_format == "segments"  # the default
+    os.makedirs(config.disk_path)
+    pool = ShmKVPool(128, BLOCK)
+    ns = Namespace("m", "float32", 16, "block-contiguous", 0, 1, "")
+    try:
+        async with running_server(config, FakeClock()) as srv:
+            async with AsyncKVClient(config.socket_path, ns, pool, client_name="eio test") as client:
+                for batch in (list(range(8)), list(range(8, 24))):
+                    for k, i in enumerate(batch):
+                        pool.write_block(k, content(i))
+                    rs = await client.store([h(i) for i in batch], list(range(len(batch))))
+                    assert [r.status for r in rs] == [STORED] * len(batch)
+                await srv.cache.tiers.drain()
+                _, bad = block_slot(config.disk_path, 3)
+                real = segment_mod.os_preadv
+
+                def eio(fd, bufs, offset):
+                    if offset <= bad < offset + sum(len(memoryview(b).cast("B")) for b in bufs):
+                        raise OSError(errno.EIO, "Input/output error")
+                    return real(fd, bufs, offset)
+
+                monkeypatch.setattr(segment_mod, "os_preadv", eio)
+                pool.write_block(64, b"\x5a" * BLOCK)
+                (r,) = await client.load([h(3)], [64])
+                assert r.status == FAILED and "Input/output error" in r.message and "discarded" in r.message
+                assert pool.read_block(64) == b"\x5a" * BLOCK
+                c = srv.cache.counters
+                assert c.io_errors == 1 and c.load_failures == 1
+                others = [0, 1, 2, 4, 5, 6, 7]
+                rs = await client.load([h(i) for i in others], [70 + k for k in range(7)])
+                assert [r.status for r in rs] == [LOADED] * 7 and {r.tier for r in rs} == {DISK}
+                assert all(pool.read_block(70 + k) == content(i) for k, i in enumerate(others))
+                (r,) = await client.load([h(3)], [64])
+                assert r.status == MISSING
+                # the seven went to scratch buffers (the host tier was full): their onboarding spills
+                # host victims in the background; once that is done, nothing is left over
+                await asyncio.gather(*srv.cache._background)
+                await srv.cache.tiers.drain()
+                assert srv.cache.audit() == []
+    finally:
+        pool.close()
+        pool.unlink()
+        shutil.rmtree(workdir, ignore_errors=True)
