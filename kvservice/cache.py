@@ -524,11 +524,15 @@ class BlockCache:
                 self.stats.bump(s.namespace, "load_failures")
                 results.set(i, LoadStatus.FAILED, Tier.DISK, message=f"disk block discarded: {r}")
                 continue
-            if not onboarded and not t.onboard(e, r):
+            served.append((item, Tier.DISK))
+            if onboarded:  # read straight into its host slot: copied with the host hits, one job
+                host_ids.append(b)
+                host_slots.append(e.slot)
+                continue
+            if not t.onboard(e, r):  # no free or clean slot was left: onboarded after the reply
                 self._later(t.onboard_evicting(e, r))
             srcs.append(r)
             ids.append(b)
-            served.append((item, Tier.DISK))
         return host_ids, host_slots, srcs, ids, served
 
     async def prefetch(self, session_id: SessionId, hashes: bytes | Sequence[bytes],
@@ -566,14 +570,13 @@ class BlockCache:
                 to_read.append((len(out), e))
                 out.append(PrefetchResult(PrefetchStatus.STAGED))
         try:
-            bufs = s.memory.alloc_host(len(to_read))
-            reads = await asyncio.gather(*(t.read_from_disk(e, out) for (_, e), out in zip(to_read, bufs)),
-                                         return_exceptions=True)
-            for (pos, e), r in zip(to_read, reads):
+            # one coalesced read, straight into host slots where there is room (no copy on the loop)
+            reads = await t.read_batch([e for _, e in to_read], s.memory.alloc_host, s.block_bytes) if to_read else []
+            for (pos, e), (r, onboarded) in zip(to_read, reads):
                 if isinstance(r, BaseException):
                     out[pos] = PrefetchResult(PrefetchStatus.FAILED, f"disk read failed, block discarded: {r}")
                     continue
-                if not e.in_memory and not t.onboard(e, r) and not await t.onboard_evicting(e, r):
+                if not onboarded and not e.in_memory and not t.onboard(e, r) and not await t.onboard_evicting(e, r):
                     out[pos] = PrefetchResult(PrefetchStatus.FAILED,
                                               "no room in the host tier: it is pinned by loads and prefetches")
                     continue

@@ -56,7 +56,7 @@ async def test_many_sessions_prefetching_together_leave_room_for_others(tmp_path
     blocks) would let the four pin the whole tier between them; all leases together stop at
     half of it (8 blocks), and the sessions refused for that are told it is the total cap. A
     fifth namespace then stores 8 blocks (half the tier): every one is STORED; the audit is clean."""
-    cfg = small_config(tmp_path, host_capacity_bytes=16 * BLOCK, disk_capacity_bytes=96 * BLOCK)
+    cfg = small_config(tmp_path, host_capacity_bytes=16 * BLOCK, disk_blocks=96)
     async with started_cache(cfg) as cache:
         pools = [Pool(num_blocks=32) for _ in range(5)]
         engines = [Engine(cache, p, ns_spec(model=f"m{k}")) for k, p in enumerate(pools)]
