@@ -544,8 +544,7 @@ class CudaEngineMemory:
                 crc = _gpu_crc_for(self._dev) if crc_segment_bytes(spec.block_bytes) else None
                 if crc is not None:
                     crc.prepare(spec.block_bytes)
-                with self._dev.lane():
-                    pass
+                self._warm_up(crc)
         except BaseException:
             self._release()
             raise
@@ -571,6 +570,37 @@ class CudaEngineMemory:
             self._views = [flat.as_strided((spec.num_blocks, r.block_bytes // e), (r.block_stride // e, 1), r.offset // e)
                            for r in rs]
         self._base = base
+
+    def _warm_up(self, crc: _GpuCrc | None) -> None:
+        """Launch once, at registration, every kernel and copy a Store and a Load of this layout use
+        (CUDA loads a kernel's module at its first launch), and reserve one chunk of device staging
+        in the caching allocator: the first Store of a fresh daemon must not pay for them. Reads
+        block 0 of the pool; writes only scratch memory."""
+        dev = self._dev.device
+        with self._dev.lane() as lane, torch.cuda.stream(lane.kernels):
+            idx = torch.zeros(1, dtype=torch.long, device=dev)
+            rows = self._gather_dev(idx)
+            if crc is not None:
+                crc.rows(rows, self.block_bytes, torch.empty(1, dtype=torch.int32, device=dev), lane.kernels)
+            host = torch.empty((1, self._row), dtype=self._dtype, pin_memory=True)
+            host.copy_(rows, non_blocking=True)
+            rows.copy_(host, non_blocking=True)
+            real = (self._view3, self._views) if self._uniform else (None, self._views)
+            try:  # the scatter kernels, on scratch rows shaped like the pool's views
+                if self._uniform:
+                    self._view3 = torch.empty((self._view3.shape[0], 1, self._view3.shape[2]), dtype=self._dtype,
+                                              device=dev)
+                else:
+                    self._views = [torch.empty((1, v.shape[1]), dtype=self._dtype, device=dev) for v in self._views]
+                self._scatter_dev(idx, rows)
+            finally:
+                if self._uniform:
+                    self._view3 = real[0]
+                self._views = real[1]
+            staging = torch.empty(max(1, min(CHUNK_BYTES, self.block_bytes * chunk_rows(1 << 20, self.block_bytes)[0])),
+                                  dtype=torch.uint8, device=dev)
+            del staging  # back to the caching allocator, for the first chunk of the first Store
+            lane.synchronize()
 
     # --- device-side gather/scatter of one chunk (on the current stream)
     def _gather_dev(self, idx: torch.Tensor) -> torch.Tensor:
