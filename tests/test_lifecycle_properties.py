@@ -74,13 +74,17 @@ class LifecycleMachine(RuleBasedStateMachine):
         return self.loop.run_until_complete(coro)
 
     async def _settle(self) -> None:
-        """Until every copy thread is idle (a cancelled call's rollback runs when its copy ends)
-        and every disk write is done."""
+        """Until every copy thread is idle (a cancelled call's rollback runs when its copy ends),
+        every disk read has settled and every disk write is done."""
         loop = asyncio.get_running_loop()
         pool = self.cache._copy_pool
         barrier = threading.Barrier(pool._max_workers)
         for _ in range(2):
             await self.cache.tiers.drain()
+            for _ in range(10000):  # disk reads settle in their done callbacks (a cancelled Load's too)
+                if not self.cache.tiers.reads_in_flight:
+                    break
+                await asyncio.sleep(0.001)
             await asyncio.gather(*(loop.run_in_executor(pool, barrier.wait) for _ in range(pool._max_workers)))
             barrier.reset()
             for _ in range(5):
