@@ -318,7 +318,7 @@ def disk_tier(pool, workdir: Path, disk_dir: Path, sizes: list[int], batch: int,
                     time.sleep(0.002)
                 os.sync()
                 t_spill = time.perf_counter() - t0
-                files = [Path(r) / f for r, _, fs in os.walk(disk_dir) for f in fs if f.endswith(".kvb")]
+                files = [Path(r) / f for r, _, fs in os.walk(disk_dir) for f in fs if f.endswith((".kvb", ".kvseg"))]
                 method = evict_page_cache(files)
                 t0 = time.perf_counter()
                 rs = c.load(a, dst)

@@ -347,7 +347,7 @@ def disk_case(workdir: Path, disk_dir: Path, block_bytes: int, total: int, batch
             d.evict_namespace(filler.namespace_id)
             _, tiers = client.lookup(hashes)
             assert len(tiers) == n and all(t == pb.TIER_DISK for t in tiers), "blocks not all on disk"
-            files = list(disk_path.rglob("*.kvb"))
+            files = list(disk_path.rglob("*.kvb")) + list(disk_path.rglob("*.kvseg"))  # either disk format
             method = evict_page_cache(files, evict)
             resident = resident_fraction(files)
             before = d.stats().counters
