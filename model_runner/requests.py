@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvservice.types import BlockHash
-from kvservice.v1 import kvcache_pb2
+from engine_client.results import LoadResults
 from model_runner.prefetcher import PrefetchJob
 from model_runner.radix import BlockId, Node
 
@@ -117,7 +117,7 @@ class Phase(enum.Enum):
 
 @dataclass(slots=True)
 class PendingLoad:
-    future: concurrent.futures.Future[list[kvcache_pb2.LoadResult]]
+    future: concurrent.futures.Future[LoadResults]
     tiers: list[int]  # Lookup's tier of each block asked for
     t_start: float
     t_done: float = 0.0  # set by the future's callback, so queueing on the loop thread is not counted

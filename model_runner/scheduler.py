@@ -41,6 +41,7 @@ from typing import Any
 from engine_client.client import UNREACHABLE
 from engine_client.errors import KVClientError
 from engine_client.hashing import BlockHasher
+from engine_client.results import StoreResults
 from engine_client.sync_client import KVClient
 from kvservice.types import BlockHash
 from kvservice.v1 import kvcache_pb2
@@ -513,7 +514,7 @@ class Scheduler:
 
     # --- internals: callbacks (run on the KVClient's thread: metrics and wake-ups only)
     def _store_done(self, reason: str) -> Callable[[concurrent.futures.Future[Any]], None]:
-        def done(fut: concurrent.futures.Future[list[kvcache_pb2.StoreResult]]) -> None:
+        def done(fut: concurrent.futures.Future[StoreResults]) -> None:
             try:
                 for r in fut.result():
                     self.metrics.stored_blocks.labels(reason, kvcache_pb2.StoreStatus.Name(r.status)).inc()
