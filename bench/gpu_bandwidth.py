@@ -344,13 +344,13 @@ def disk_tier(pool, workdir: Path, disk_dir: Path, sizes: list[int], batch: int,
 
 
 def datapath_role(args) -> None:
-    from kvservice.cache import BlockCache
+    from kvservice.core.cache import BlockCache
     from kvservice.checksum import checksum
-    from kvservice.clock import SystemClock
-    from kvservice.config import Config
-    from kvservice.cuda_memory import CudaEngineMemory
-    from kvservice.sessions_api import NamespaceSpec, PoolRegion, PoolSpec
-    from kvservice.v1 import kvcache_pb2
+    from kvservice.core.clock import SystemClock
+    from kvservice.ops.config import Config
+    from kvservice.memory.cuda_memory import CudaEngineMemory
+    from kvservice.core.sessions_api import NamespaceSpec, PoolRegion, PoolSpec
+    from kvwire.v1 import kvcache_pb2
 
     desc = kvcache_pb2.PoolDescription.FromString(bytes.fromhex(sys.stdin.readline().strip()))
     batch, reps = args.batch_mib * MiB, args.reps

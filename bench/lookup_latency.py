@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpc  # noqa: E402
 
 from engine_client import BlockHasher, KVClient, Namespace, ShmKVPool  # noqa: E402
-from kvservice.v1 import kvcache_pb2, kvcache_pb2_grpc  # noqa: E402
+from kvwire.v1 import kvcache_pb2, kvcache_pb2_grpc  # noqa: E402
 from tests.daemon_kit import Daemon  # noqa: E402
 
 

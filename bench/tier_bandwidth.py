@@ -49,7 +49,7 @@ from harness.daemon import Daemon as HarnessDaemon  # noqa: E402
 import torch  # noqa: E402
 
 from engine_client import KVClient, Namespace, ShmKVPool  # noqa: E402
-from kvservice.v1 import admin_pb2, kvcache_pb2 as pb  # noqa: E402
+from kvwire.v1 import admin_pb2, kvcache_pb2 as pb  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 RAW_CHUNK = 4 * MiB  # raw sequential I/O chunk

@@ -40,7 +40,7 @@ from engine_client.hashing import HASH_BYTES, BlockHasher
 from engine_client.namespace import Namespace
 from engine_client.registration import register, unix_socket_path
 from engine_client.results import LoadResults, StoreResults
-from kvservice.v1 import kvcache_pb2, kvcache_pb2_grpc
+from kvwire.v1 import kvcache_pb2, kvcache_pb2_grpc
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from engine_client.shm_pool import LAYOUTS, Region, _regions
-from kvservice.v1 import kvcache_pb2
+from kvwire.v1 import kvcache_pb2
 
 __all__ = ["CudaKVPool", "LAYOUTS"]
 

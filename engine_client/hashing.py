@@ -21,7 +21,7 @@ from array import array
 from collections.abc import Iterable
 
 from engine_client.namespace import Namespace
-from kvservice.types import HASH_BYTES, BlockHash
+from kvwire.ids import HASH_BYTES, BlockHash
 
 __all__ = ["HASH_BYTES", "CANARY_TOKENS", "ROOT_DOMAIN", "BlockHasher"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from kvservice.v1 import kvcache_pb2
+from kvwire.v1 import kvcache_pb2
 
 CANONICAL_VERSION = 1  # bump (and keep the old encoder) if the encoding below ever changes
 

@@ -17,8 +17,8 @@ import socket
 import grpc
 
 from engine_client.errors import KVClientError
-from kvservice.peer_socket import FrameError, recv_frame, registration_path, send_frame
-from kvservice.v1 import kvcache_pb2
+from kvwire.peer_socket import FrameError, recv_frame, registration_path, send_frame
+from kvwire.v1 import kvcache_pb2
 
 
 def unix_socket_path(target: str) -> str | None:

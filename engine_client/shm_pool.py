@@ -37,7 +37,7 @@ from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
-from kvservice.v1 import kvcache_pb2
+from kvwire.v1 import kvcache_pb2
 
 LAYOUTS = ("block-contiguous", "layer-first")
 

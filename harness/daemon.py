@@ -146,7 +146,7 @@ class Daemon:
         """One Admin call over the Unix socket: d.admin("Evict", all=True)."""
         import grpc
 
-        from kvservice.v1 import admin_pb2, admin_pb2_grpc
+        from kvwire.v1 import admin_pb2, admin_pb2_grpc
 
         with grpc.insecure_channel(self.target) as ch:
             req = request if request is not None else getattr(admin_pb2, f"{method}Request")(**kw)

@@ -2,6 +2,6 @@
 
 import sys
 
-from kvservice.cli import main
+from kvservice.ops.cli import main
 
 sys.exit(main())

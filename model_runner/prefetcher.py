@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 from engine_client.errors import KVClientError
 from engine_client.sync_client import KVClient
-from kvservice.v1 import kvcache_pb2
+from kvwire.v1 import kvcache_pb2
 
 log = logging.getLogger(__name__)
 

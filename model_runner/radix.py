@@ -21,7 +21,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import NewType
 
-from kvservice.types import BlockHash
+from kvwire.ids import BlockHash
 
 BlockId = NewType("BlockId", int)  # index into the engine's KV pool
 

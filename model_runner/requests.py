@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvservice.types import BlockHash
+from kvwire.ids import BlockHash
 from engine_client.results import LoadResults
 from model_runner.prefetcher import PrefetchJob
 from model_runner.radix import BlockId, Node

@@ -43,8 +43,8 @@ from engine_client.errors import KVClientError
 from engine_client.hashing import BlockHasher
 from engine_client.results import StoreResults
 from engine_client.sync_client import KVClient
-from kvservice.types import BlockHash
-from kvservice.v1 import kvcache_pb2
+from kvwire.ids import BlockHash
+from kvwire.v1 import kvcache_pb2
 from model_runner.allocator import BlockAllocator
 from model_runner.config import EngineConfig
 from model_runner.cost_model import CostModel

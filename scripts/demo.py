@@ -104,7 +104,7 @@ def kv_bytes(block_hash: bytes) -> bytes:
 
 def engine_main(name: str, target: str) -> int:
     from engine_client import BlockHasher, KVClient, Namespace, ShmKVPool
-    from kvservice.v1 import kvcache_pb2 as pb
+    from kvwire.v1 import kvcache_pb2 as pb
 
     ns = Namespace(MODEL_ID, KV_DTYPE, TOKENS_PER_BLOCK, "layer-first")
     hasher = BlockHasher(ns)

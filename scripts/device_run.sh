@@ -26,7 +26,7 @@ for mod in ("cuda.bindings", "cupy", "kvikio", "google_crc32c", "grpc", "google.
     except Exception as e:
         print(mod, "MISSING", e)
 from kvservice import checksum; print("crc32c GIL-free path:", checksum._extend_gil_free is not None)
-from kvservice.io_backend import open_backend; print("io backend auto ->", open_backend("auto").name)
+from kvservice.disk.io_backend import open_backend; print("io backend auto ->", open_backend("auto").name)
 PY
 rc=0
 if [[ $what == all || $what == bench ]]; then

@@ -9,11 +9,11 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 from multiprocessing import shared_memory
 
-from kvservice.cache import BlockCache
-from kvservice.clock import FakeClock
-from kvservice.config import Config
+from kvservice.core.cache import BlockCache
+from kvservice.core.clock import FakeClock
+from kvservice.ops.config import Config
 from kvservice.disk.tier_io import disk_capacity_for
-from kvservice.sessions_api import NamespaceSpec, PoolRegion, PoolSpec
+from kvservice.core.sessions_api import NamespaceSpec, PoolRegion, PoolSpec
 from harness.blocks import BLOCK, content, h  # noqa: F401  (re-exported for the tests)
 
 CANARY = hashlib.blake2b(b"test-canary", digest_size=32).digest()

@@ -21,8 +21,8 @@ import pytest
 from harness.blocks import h
 from harness.daemon import ROOT, Daemon, child_env
 from harness.engine import EngineProc
-from kvservice.config import ConfigError, load_config
-from kvservice.v1 import admin_pb2, admin_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc
+from kvservice.ops.config import ConfigError, load_config
+from kvwire.v1 import admin_pb2, admin_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc
 
 STRANGER = 65534  # nobody
 TOKEN = "access-test-token"
@@ -420,7 +420,7 @@ def test_metrics_endpoint_serves_metrics_and_nothing_else():
 
     from prometheus_client import CollectorRegistry
 
-    from kvservice.metrics import start_metrics_server
+    from kvservice.ops.metrics import start_metrics_server
 
     server, _thread = start_metrics_server("127.0.0.1:0", CollectorRegistry())
     try:

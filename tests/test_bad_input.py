@@ -20,8 +20,8 @@ import torch
 from engine_client import BlockHasher, Namespace, ShmKVPool
 from engine_client.errors import KVClientError
 from engine_client.registration import register
-from kvservice.v1 import kvcache_pb2 as pb
-from kvservice.v1 import kvcache_pb2_grpc
+from kvwire.v1 import kvcache_pb2 as pb
+from kvwire.v1 import kvcache_pb2_grpc
 from tests.daemon_kit import Daemon
 
 POOL_BLOCKS = 32

@@ -18,7 +18,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvservice.block_file import (
+from kvservice.disk.block_file import (
     HEADER_BYTES,
     BlockMeta,
     ChecksumMismatchError,
@@ -35,7 +35,7 @@ from kvservice.block_file import (
     write_block,
 )
 from kvservice.checksum import CHECKSUM_NAME, checksum
-from kvservice.io_backend import BlockIOError, PosixIO, ShortReadError, open_backend
+from kvservice.disk.io_backend import BlockIOError, PosixIO, ShortReadError, open_backend
 
 REPO = Path(__file__).resolve().parents[1]
 NS = "0f3a9c" * 10  # a 60-char hex namespace id, as the core derives them
@@ -241,8 +241,8 @@ _WRITER = textwrap.dedent(
     """
     import hashlib, sys
     import numpy as np
-    from kvservice.block_file import meta_for, write_block
-    from kvservice.io_backend import PosixIO
+    from kvservice.disk.block_file import meta_for, write_block
+    from kvservice.disk.io_backend import PosixIO
 
     root, size = sys.argv[1], int(sys.argv[2])
     io = PosixIO()

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from kvservice import cli
-from kvservice import config as config_mod
-from kvservice.config import (
+from kvservice.ops import cli
+from kvservice.ops import config as config_mod
+from kvservice.ops.config import (
     GiB, MiB, Config, ConfigError, config_to_toml, format_duration, format_size, load_config, parse_bytes, parse_seconds,
 )
 

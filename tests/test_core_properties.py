@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from kvservice.clock import FakeClock
-from kvservice.index import DiskState
-from kvservice.types import LoadStatus, StoreStatus, Tier
+from kvservice.core.clock import FakeClock
+from kvservice.placement.index import DiskState
+from kvservice.core.types import LoadStatus, StoreStatus, Tier
 from tests.corekit import Engine, Pool, h, small_config, started_cache
 
 NUMBERS = st.lists(st.integers(0, 15), min_size=1, max_size=4, unique=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvservice.v1 import kvcache_pb2
+from kvwire.v1 import kvcache_pb2
 from model_runner.cost_model import CostModel, Plan
 
 HOST, DISK = kvcache_pb2.TIER_HOST, kvcache_pb2.TIER_DISK

@@ -32,7 +32,7 @@ import jsonschema
 import pytest
 import yaml
 
-from kvservice.v1 import admin_pb2, admin_pb2_grpc
+from kvwire.v1 import admin_pb2, admin_pb2_grpc
 from tests.daemon_kit import Daemon, free_tcp_port, short_tmpdir
 
 ROOT = Path(__file__).resolve().parent.parent

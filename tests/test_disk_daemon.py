@@ -19,11 +19,11 @@ import numpy as np
 
 from engine_client import AsyncKVClient, Namespace, ShmKVPool
 from kvservice.checksum import checksum
-from kvservice.clock import FakeClock
-from kvservice.config import Config
+from kvservice.core.clock import FakeClock
+from kvservice.ops.config import Config
 from kvservice.disk import segment as segment_mod
 from kvservice.disk import split_loc
-from kvservice.server import running_server
+from kvservice.api.server import running_server
 from kvservice.disk.metadata import REC
 from kvservice.disk.segment import segment_name
 from tests.corekit import content, h

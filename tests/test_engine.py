@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from kvservice.cli import FLAGS
-from kvservice.v1 import kvcache_pb2
+from kvservice.ops.cli import FLAGS
+from kvwire.v1 import kvcache_pb2
 from model_runner.config import EngineConfig
 from model_runner.engine import Engine, GenerationRequest, GenerationResult
 from model_runner.prefetcher import Prefetcher

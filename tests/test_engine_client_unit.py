@@ -32,8 +32,8 @@ from hypothesis import strategies as st
 from engine_client import AsyncKVClient, BlockHasher, KVClient, KVClientError, Namespace, ShmKVPool
 from engine_client.backoff import Backoff
 from engine_client.hashing import CANARY_TOKENS, HASH_BYTES
-from kvservice.peer_socket import recv_frame, registration_path, send_frame
-from kvservice.v1 import kvcache_pb2, kvcache_pb2_grpc
+from kvwire.peer_socket import recv_frame, registration_path, send_frame
+from kvwire.v1 import kvcache_pb2, kvcache_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
 NS = Namespace("tiny-llama", "float32", tokens_per_block=4, layout="block-contiguous")

@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvservice import cuda_memory  # noqa: E402
-from kvservice.sessions_api import PoolRegion, PoolSpec  # noqa: E402
+from kvservice.memory import cuda_memory  # noqa: E402
+from kvservice.core.sessions_api import PoolRegion, PoolSpec  # noqa: E402
 from harness.blocks import h  # noqa: E402
 from harness.wait import wait_until  # noqa: E402
 
@@ -177,8 +177,8 @@ def test_device_uuids_compare_with_or_without_the_gpu_prefix():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a host without CUDA")
 def test_a_cuda_pool_on_a_host_without_cuda_is_refused_with_the_reason():
-    from kvservice.engine_memory import open_engine_memory
-    from kvservice.types import CacheError, ErrorCode
+    from kvservice.memory.engine_memory import open_engine_memory
+    from kvservice.core.types import CacheError, ErrorCode
 
     with pytest.raises(CacheError) as err:
         open_engine_memory(_spec("block-contiguous", 4, 4096))
@@ -217,7 +217,7 @@ def _open_mappings(d) -> int:
 
 
 def _expect_kvikio(d) -> None:
-    from kvservice.io_backend import kvikio_unavailable_reason
+    from kvservice.disk.io_backend import kvikio_unavailable_reason
 
     backend = d.stats().io_backend
     if kvikio_unavailable_reason() is None:

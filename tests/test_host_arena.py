@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvservice.memory.host_arena import HostArena, runs
-from kvservice.types import LoadStatus, StoreStatus
+from kvservice.core.types import LoadStatus, StoreStatus
 from tests.corekit import BLOCK, Engine, Pool, content, small_config, started_cache
 from tests.daemon_kit import Daemon
 from tests.engine_kit import EngineProc
@@ -92,8 +92,8 @@ def test_slots_scatter_into_the_engine_pool_without_per_block_buffers(layout, la
     runs; scatter_from copies slots back into other engine blocks, in another order, exactly, and
     writes nothing else of the pool."""
     from engine_client.shm_pool import ShmKVPool
-    from kvservice.engine_memory import ShmEngineMemory
-    from kvservice.sessions_api import PoolRegion, PoolSpec
+    from kvservice.memory.engine_memory import ShmEngineMemory
+    from kvservice.core.sessions_api import PoolRegion, PoolSpec
 
     bb = 6 * 1024
     pool = ShmKVPool(16, bb, layout, layers)

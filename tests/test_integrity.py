@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 
 from engine_client import AsyncKVClient, Namespace, ShmKVPool
-from kvservice.block_file import HEADER_BYTES
-from kvservice.cache import BlockCache
+from kvservice.disk.block_file import HEADER_BYTES
+from kvservice.core.cache import BlockCache
 from kvservice.checksum import byte_view
-from kvservice.clock import FakeClock
-from kvservice.config import Config
-from kvservice.io_backend import PosixIO, ShortReadError
-from kvservice.server import running_server
+from kvservice.core.clock import FakeClock
+from kvservice.ops.config import Config
+from kvservice.disk.io_backend import PosixIO, ShortReadError
+from kvservice.api.server import running_server
 from tests.corekit import content, h
 from tests.daemon_kit import Daemon, short_tmpdir
 from tests.engine_kit import EngineProc

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvservice.io_backend import (
+from kvservice.disk.io_backend import (
     TMP_SUFFIX,
     BlockIOError,
     PosixIO,
@@ -144,7 +144,7 @@ def test_short_write_raises_and_leaves_old_file_and_no_temp(tmp_path):
     child = textwrap.dedent(
         f"""
         import resource, signal
-        from kvservice.io_backend import PosixIO, ShortWriteError
+        from kvservice.disk.io_backend import PosixIO, ShortWriteError
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed
         resource.setrlimit(resource.RLIMIT_FSIZE, (10000, 10000))
         try:

@@ -1,4 +1,4 @@
-"""The disk bandwidth cap (kvservice.io_throttle): token buckets with an injected clock and
+"""The disk bandwidth cap (kvservice.disk.io_throttle): token buckets with an injected clock and
 sleep, so every test asserts the exact pauses requested for the bytes moved, never wall time."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import hashlib
 import pytest
 import torch
 
-from kvservice import block_file
-from kvservice.cli import build_parser
-from kvservice.config import MiB, ConfigError, load_config
-from kvservice.io_backend import PosixIO
-from kvservice.io_throttle import ThrottledIO, TokenBucket, throttled
-from kvservice.types import LoadStatus, StoreStatus
+from kvservice.disk import block_file
+from kvservice.ops.cli import build_parser
+from kvservice.ops.config import MiB, ConfigError, load_config
+from kvservice.disk.io_backend import PosixIO
+from kvservice.disk.io_throttle import ThrottledIO, TokenBucket, throttled
+from kvservice.core.types import LoadStatus, StoreStatus
 from tests.corekit import Engine, Pool, small_config, started_cache
 
 

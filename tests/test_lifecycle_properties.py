@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from kvservice.clock import FakeClock
-from kvservice.types import CacheError, LoadStatus, StoreStatus
+from kvservice.core.clock import FakeClock
+from kvservice.core.types import CacheError, LoadStatus, StoreStatus
 from tests.corekit import Engine, Pool, content, h, small_config, started_cache
 
 NUMBERS = st.lists(st.integers(0, 11), min_size=1, max_size=4, unique=True)

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import pytest
 
-from kvservice import block_file
-from kvservice.cli import FLAGS
+from kvservice.disk import block_file
+from kvservice.ops.cli import FLAGS
 from harness.blocks import h
-from kvservice.config import Config, parse_bytes, parse_seconds
+from kvservice.ops.config import Config, parse_bytes, parse_seconds
 from tests.daemon_kit import Daemon
 from tests.engine_kit import EngineProc
 

@@ -19,9 +19,9 @@ import grpc
 import pytest
 
 from engine_client import KVClient, Namespace, ShmKVPool
-from kvservice.types import StoreStatus
-from kvservice.v1 import admin_pb2
-from kvservice.write_queue import WriteQueue
+from kvservice.core.types import StoreStatus
+from kvwire.v1 import admin_pb2
+from kvservice.disk.write_queue import WriteQueue
 from tests.corekit import Engine, Pool, small_config, started_cache
 from tests.daemon_kit import Daemon
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvservice.block_file import HEADER_BYTES
+from kvservice.disk.block_file import HEADER_BYTES
 from tests.corekit import h
 from tests.daemon_kit import Daemon
 from tests.engine_kit import EngineProc

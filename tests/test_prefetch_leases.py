@@ -8,8 +8,8 @@ prefetch while its lease runs does not renew it, so repeated prefetches cannot p
 
 from __future__ import annotations
 
-from kvservice import convert
-from kvservice.types import PrefetchStatus, StoreStatus
+from kvservice.api import convert
+from kvservice.core.types import PrefetchStatus, StoreStatus
 from tests.corekit import BLOCK, Engine, Pool, h, ns_spec, small_config, started_cache
 from tests.daemon_kit import Daemon
 from tests.engine_kit import EngineProc

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from kvservice.config import _coerce
+from kvservice.ops.config import _coerce
 from tests.daemon_kit import free_tcp_port, short_tmpdir
 
 ROOT = Path(__file__).resolve().parent.parent

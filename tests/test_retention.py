@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvservice.clock import FakeClock
-from kvservice.types import LoadStatus, StoreStatus, Tier
+from kvservice.core.clock import FakeClock
+from kvservice.core.types import LoadStatus, StoreStatus, Tier
 from tests.corekit import Engine, Pool, h, small_config, started_cache
 
 
@@ -176,7 +176,7 @@ class SlowWrites:
     def __init__(self):
         import threading
 
-        from kvservice.io_backend import PosixIO
+        from kvservice.disk.io_backend import PosixIO
         self._io = PosixIO()
         self.name = "posix-slow"
         self.gate = threading.Event()

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import random
 
-from kvservice.index import Entry
-from kvservice.retention import Retention
-from kvservice.types import BlockKey
+from kvservice.placement.index import Entry
+from kvservice.placement.retention import Retention
+from kvservice.core.types import BlockKey
 
 
 def walked(entries, live, ns, now):

@@ -19,9 +19,9 @@ import threading
 
 import pytest
 
-from kvservice.engine_memory import ShmEngineMemory
-from kvservice.io_backend import PosixIO
-from kvservice.types import LoadStatus, StoreStatus, Tier
+from kvservice.memory.engine_memory import ShmEngineMemory
+from kvservice.disk.io_backend import PosixIO
+from kvservice.core.types import LoadStatus, StoreStatus, Tier
 from tests.corekit import Engine, Pool, small_config, started_cache
 from tests.daemon_kit import Daemon
 from tests.engine_kit import EngineProc

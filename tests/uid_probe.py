@@ -38,7 +38,7 @@ from google.protobuf import json_format  # noqa: E402
 from engine_client import BlockHasher, KVClient, Namespace, ShmKVPool  # noqa: E402
 from engine_client.errors import KVClientError  # noqa: E402
 from engine_client.registration import register  # noqa: E402
-from kvservice.v1 import admin_pb2, admin_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc  # noqa: E402
+from kvwire.v1 import admin_pb2, admin_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc  # noqa: E402
 
 BLOCK = 4096
 

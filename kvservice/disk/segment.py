@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvservice.io_backend import ShortReadError, ShortWriteError
+from kvservice.disk.io_backend import ShortReadError, ShortWriteError
 
 SUFFIX = ".kvseg"
 NAME_RE = re.compile(r"seg-(\d{8})-(\d+)\.kvseg")

@@ -41,8 +41,8 @@ from kvservice.disk.metadata import REC, Metadata, MetadataError, Rows
 from kvservice.disk.recovery import Recovered, check_rows
 from kvservice.disk.segment import NAME_RE, SegmentFile, UnsafeFileError, segment_name
 from kvservice.disk.slots import SlotAllocator, make_loc, slot_class, split_loc
-from kvservice.io_backend import ShortReadError, ShortWriteError
-from kvservice.types import HASH_BYTES
+from kvservice.disk.io_backend import ShortReadError, ShortWriteError
+from kvservice.core.types import HASH_BYTES
 
 log = logging.getLogger(__name__)
 

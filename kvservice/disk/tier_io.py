@@ -26,8 +26,8 @@ from concurrent.futures import Executor
 
 from kvservice.checksum import Buffer
 from kvservice.disk.store import BlockWrite, DiskFault, DiskStore
-from kvservice.io_backend import nbytes
-from kvservice.io_throttle import TokenBucket
+from kvservice.disk.io_backend import nbytes
+from kvservice.disk.io_throttle import TokenBucket
 
 _Pending = tuple[int, object, Buffer, asyncio.Future]
 CANARY_ALLOWANCE = 256 << 10  # <disk_path>/<namespace>/canary files (4 KiB each on disk) of up to 64 namespaces

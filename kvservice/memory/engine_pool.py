@@ -13,8 +13,8 @@ from typing import Protocol
 import torch
 
 from kvservice.memory.host_arena import HostArena
-from kvservice.sessions_api import PoolSpec
-from kvservice.types import CacheError, ErrorCode
+from kvservice.core.sessions_api import PoolSpec
+from kvservice.core.types import CacheError, ErrorCode
 
 
 class EngineMemory(Protocol):

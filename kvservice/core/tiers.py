@@ -1,0 +1,719 @@
+"""Tiers: the index, host tier, disk tier and retention, and every move between them.
+
+Primitives (all state changes happen on the event loop thread; bytes move in thread pools):
+  make_host_room(size, n, now) -> fit, spills   evict host LRU victims (spill or drop) so n blocks fit
+  room_after(spills, now) -> future       queue those spills; resolves when their slots are free
+  read_from_disk(entry) -> buffer         read and checksum-verify; a bad block is discarded
+  onboard(entry, buf, now)                put a disk block read back into the host tier
+  remove(entry)                           forget a block everywhere (admin evict, corruption)
+  persist_deadline(entry)                 rewrite a disk header after its deadline moved
+  recover()                               rebuild the disk index from block files at start
+                                          (disk_format "segments": from kvservice.disk's metadata)
+  drain() / stop()                        finish queued spills (SIGTERM)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import gc
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from kvservice.disk import block_file
+from kvservice.ops.config import Config
+from kvservice.disk import FaultKind, aligned_buffer
+from kvservice.disk.tier_io import BlockWrite, DiskFault, TierIO, remove_v1_blocks
+from kvservice.disk.disk_tier import DiskTier
+from kvservice.placement.eviction import Victim, admission_gate, plan_disk_eviction
+from kvservice.memory.host_tier import HostTier
+from kvservice.placement.index import BlockIndex, DiskState, Entry
+from kvservice.disk.io_backend import BlockIO, BlockIOError
+from kvservice.memory.host_arena import HostArena
+from kvservice.placement.retention import Retention
+from kvservice.ops.stats import CounterSet
+from kvservice.core.types import BlockHash, BlockKey, NamespaceId
+from kvservice.disk.write_queue import WriteQueue
+
+log = logging.getLogger(__name__)
+
+SPILL_BATCH_BYTES = 32 << 20  # spills one writer hands the disk tier at once (one DiskStore.write)
+
+
+class Tiers:
+    def __init__(self, config: Config, io: BlockIO, stats: CounterSet, clock_now, arena: HostArena) -> None:
+        self.config = config
+        self.io = io
+        self.stats = stats
+        self.now = clock_now
+        self.index = BlockIndex()
+        self.host = HostTier(arena, config.host_capacity_bytes)
+        self.disk = DiskTier(config.disk_path, config.disk_capacity_bytes) if config.has_disk else None
+        self.segments: TierIO | None = None  # disk tier v2 (disk_format "segments"), opened by recover()
+        self._writing: set[int] = set()  # segment slots with a write in flight
+        self.retention = Retention(config.max_ttl_seconds, config.retained_cap_bytes)
+        self.gate = admission_gate(config)
+        self.reader_pool = ThreadPoolExecutor(config.reader_threads, thread_name_prefix="kv-read")
+        self.writer_pool = ThreadPoolExecutor(config.writer_threads, thread_name_prefix="kv-write")
+        self.writes: WriteQueue[Entry] = WriteQueue(
+            config.write_queue_depth, config.writer_threads, config.write_queue_policy,
+            batch_handler=self._write_jobs, cost=lambda e: e.size, batch_bytes=SPILL_BATCH_BYTES)
+        self.reads_in_flight = 0
+        self._header_tasks: set[asyncio.Future] = set()  # header rewrites and spill submissions
+
+    # --- lifecycle
+    def start(self) -> None:
+        if self.disk is not None:
+            self.writes.start()
+
+    async def persist_retained(self, now: float) -> int:
+        """At shutdown: queue writes of unexpired retained blocks that live only in host memory,
+        so a restart keeps what a client asked to keep. They stay in the host tier meanwhile."""
+        if self.disk is None:
+            return 0
+        jobs: list[Entry] = []
+        for e in list(self.host.entries_oldest_first()):
+            if e.disk != DiskState.NONE or not e.retained(now):
+                continue
+            plan = plan_disk_eviction(self.disk, e.size, now, self.config.protect_unexpired)
+            if plan is None:
+                self.stats.bump(e.namespace, "admission_refusals")
+                continue
+            self._apply_disk_plan(plan)
+            self.disk.reserve(e)  # it stays in the host tier: the writer reads its slot
+            if not self._reserve_slot(e, now):
+                continue
+            jobs.append(e)
+        for e in jobs:
+            await self.writes.submit(e, sheddable=False)
+        return len(jobs)
+
+    async def drain(self) -> None:
+        while self._header_tasks:  # spill submissions first (they feed the queue), header rewrites
+            await asyncio.gather(*self._header_tasks, return_exceptions=True)
+        await self.writes.drain()
+        if self._header_tasks:
+            await asyncio.gather(*self._header_tasks, return_exceptions=True)
+
+    async def stop(self) -> None:
+        await self.writes.stop()
+        if self.segments is not None:
+            await asyncio.get_running_loop().run_in_executor(self.writer_pool, self.segments.close)
+        self.reader_pool.shutdown(wait=True)
+        self.writer_pool.shutdown(wait=True)
+
+    async def recover(self) -> int:
+        """Index every complete block file; torn and corrupt ones were removed by the scan."""
+        if self.disk is None:
+            return 0
+        if self.config.disk_format == "segments":
+            return await self._recover_segments()
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(self.reader_pool, block_file.scan, self.disk.root)
+        now = self.now()
+        for path, meta in sorted(result.blocks, key=lambda b: b[1].stored_at):
+            key = BlockKey(NamespaceId(meta.namespace), BlockHash(meta.hash))
+            e = Entry(key, meta.payload_len, meta.checksum, meta.stored_at, deadline=meta.deadline,
+                      reuse=meta.reuse, disk_path=path, disk_deadline=meta.deadline)
+            self.index.add(e)
+            self.disk.adopt(e)
+            self.retention.track(e)
+        # a smaller capacity than last run: evict in the usual order until it fits
+        if self.disk.free_bytes < 0:
+            plan = plan_disk_eviction(self.disk, 0, now, protect_unexpired=False) or []
+            self._apply_disk_plan(plan)
+        log.info("disk tier recovered %d blocks (%d torn, %d corrupt removed)",
+                 len(result.blocks), result.torn_removed, result.corrupt_removed)
+        return len(result.blocks)
+
+    async def _recover_segments(self) -> int:
+        """Disk tier v2: open the store (its metadata says what is on disk, checked and with
+        deadlines clamped to max_ttl) and index every block, oldest first."""
+        assert self.disk is not None
+        c, loop = self.config, asyncio.get_running_loop()
+        v1 = await loop.run_in_executor(self.reader_pool, remove_v1_blocks, c.disk_path)
+        if v1:
+            log.warning("disk tier: removed %d block files of the one-file-per-block format (disk_format is segments)", v1)
+        self.segments = await loop.run_in_executor(self.reader_pool, functools.partial(
+            TierIO.open, c.disk_path, c.disk_capacity_bytes, max_ttl_seconds=c.max_ttl_seconds,
+            writers=self.writer_pool, readers=self.reader_pool, now=self.now, durable=self.io.fsync,
+            read_bytes_per_second=c.disk_read_bytes_per_second, write_bytes_per_second=c.disk_write_bytes_per_second))
+        store = self.segments.store
+        # the policy's byte budget: what is left after the metadata's fixed part (its per-slot
+        # part is met by evicting a little more when the store asks for it, _reserve_slot)
+        self.disk.budget_bytes = max(0, store.capacity_bytes - store.metadata_fixed_bytes)
+        rec = store.recovered
+        rows = rec.rows.rec[np.argsort(rec.rows.rec["stored_at"], kind="stable")]  # oldest first
+        cols = [rows[f].tolist() for f in ("loc", "ns", "hash", "length", "crc", "deadline", "stored_at", "reuse")]
+        names = rec.names
+        gc_was_on = gc.isenabled()
+        gc.disable()  # millions of new objects: generational passes over them would cost more than building them
+        try:
+            keys = [BlockKey(names[ns], hsh) for ns, hsh in zip(cols[1], cols[2])]
+            # positional: keyword arguments make a dataclass __init__ three times slower
+            entries = [Entry(key, length, crc, stored, dl, reuse)
+                       for key, length, crc, dl, stored, reuse in zip(keys, *cols[3:])]
+            for e, loc in zip(entries, cols[0]):
+                e.disk_loc = loc
+                e.disk_deadline = e.deadline
+                if e.deadline > 0:
+                    self.retention.track(e)
+            self.index.add_many(entries)
+            self.disk.adopt_many(entries)
+        finally:
+            if gc_was_on:
+                gc.freeze()  # long-lived: keep them out of every later collection
+                gc.enable()
+        log.info("disk tier (segments, %s): recovered %d blocks (%d bad rows, %d duplicates dropped, %d deadlines "
+                 "clamped, %d orphan segments removed, %d unsafe files refused)", self.segments.name, len(rec),
+                 rec.dropped_rows, rec.duplicate_rows, rec.clamped_deadlines, rec.orphans_removed, len(rec.unsafe_files))
+        for u in rec.unsafe_files:
+            log.warning("disk tier: refused %s", u)
+        return len(rec)
+
+    def _reserve_slot(self, e: Entry, now: float) -> bool:
+        """Disk tier v2: a segment slot for e's spill, after the plan made byte room. The store may
+        still say no (its metadata's per-slot share, a full or read-only filesystem): evict a few
+        more disk victims; if that does not help, undo e's disk reservation, count a refusal."""
+        if self.segments is None:
+            return True
+        for _ in range(8):
+            loc = self.segments.reserve(e.size)
+            if loc is not None:
+                e.disk_loc = loc
+                return True
+            if self.segments.store.readonly:
+                break
+            plan = plan_disk_eviction(self.disk, self.disk.free_bytes + 1, now, self.config.protect_unexpired)
+            if not plan:
+                break
+            self._apply_disk_plan(plan)
+        self.disk.unreserve(e)
+        self.stats.bump(e.namespace, "admission_refusals")
+        log.warning("disk tier refused a spill of %s: %s", e.key.hash.hex()[:16], self.segments.store.refusal())
+        return False
+
+    # --- host tier
+    def make_host_room(self, block_bytes: int, n: int, now: float) -> tuple[int, list[Entry]]:
+        """Evict LRU victims so that n blocks of block_bytes can be placed in the arena, or as many
+        as the pins allow. Returns (fit, spills): `fit` blocks are placeable once the `spills` have
+        been written (await Tiers.room_after(spills)); victims with a disk copy, or dropped, gave
+        their slots back at once. No await: nothing can come between the plan and the evictions,
+        and the caller has no reservation to undo."""
+        if self.host.placeable(block_bytes) >= n:
+            return n, []
+        # two budgets: arena slots (segments of one block size) and the tier's capacity in bytes
+        phys = self.host.arena.placeable(block_bytes)
+        room = self.host.free_bytes
+        victims: list[Entry] = []
+        after: list[int] = []  # placeable once victims[:k+1] are out
+        freed_in: dict[int, int] = {}
+        have = min(phys, room // block_bytes)
+        for e in self._host_candidates(now):
+            phys += self.host.arena.slot_freeing(e.slot, e.size, block_bytes, freed_in)
+            room += e.size
+            have = min(phys, room // block_bytes)
+            victims.append(e)
+            after.append(have)
+            if have >= n:
+                break
+        fit = min(n, have)
+        # evict no more than the shortest prefix of victims that makes room for `fit`
+        k = next((i + 1 for i, h in enumerate(after) if h >= fit), 0)
+        victims = victims[:k]
+        # retained victims claim disk room before best-effort ones
+        victims.sort(key=lambda e: not e.retained(now))
+        spills = [v for v in victims if self._evict_from_host(v, now)]
+        return fit, spills
+
+    def room_after(self, spills: list[Entry], now: float, block_bytes: int = 0, fit: int = 0) -> asyncio.Future | None:
+        """Queue the spills make_host_room chose; returns what to wait for before their room can be
+        taken (None: nothing): queue room under the "wait" policy, and the writes of victims that
+        found the spill staging budget full. When the `fit` blocks of block_bytes need the very
+        slots the victims hold (another block size: a whole segment must empty first), the writes
+        of staged victims too. The work is the tiers' own: a caller awaiting this through
+        asyncio.shield may be cancelled without abandoning a spill."""
+        slots_needed = (fit > 0 and any(v.size != block_bytes for v in spills)
+                        and self.host.arena.placeable(block_bytes) < fit)
+        pending = self.spill(spills, now)
+        freed = self.host.freed(spills, staged_too=slots_needed)
+        waits = [f for f in (pending, freed) if f is not None]
+        if not waits:
+            return None
+        return waits[0] if len(waits) == 1 else asyncio.gather(*waits)
+
+    def spill(self, spills: list[Entry], now: float) -> asyncio.Future[None] | None:
+        """Queue spills. What the queue cannot take now is submitted by a task of the tiers' own,
+        returned (backpressure under the "wait" policy). drain() waits for these tasks.
+        None: all queued."""
+        for k, v in enumerate(spills):
+            if not self.writes.try_submit(v):  # the queue is full: the rest waits (or sheds) in a task
+                task = asyncio.ensure_future(self._submit_spills(spills[k:], now))
+                self._header_tasks.add(task)
+                task.add_done_callback(self._header_tasks.discard)
+                return task
+        return None
+
+    async def _submit_spills(self, spills: list[Entry], now: float) -> None:
+        """A spill not submitted (the daemon is stopping) is abandoned, never left QUEUED."""
+        for k, v in enumerate(spills):
+            try:
+                await self._submit_spill(v, now)
+            except BaseException:
+                for rest in spills[k:]:
+                    if rest.disk == DiskState.QUEUED:
+                        self.stats.bump(rest.namespace, "drops_pressure")
+                        self._abandon_spill(rest)
+                raise
+
+    def _host_candidates(self, now: float):
+        """Host entries that may be evicted, oldest first. Under protect-unexpired, an unexpired
+        retained block the disk could not admit is not one: evicting it could only drop it."""
+        protect = self.disk is not None and (self.config.protect_unexpired or self._disk_unwritable())
+        room = self._disk_room(now) if protect else 0
+        for e in self.host.entries_oldest_first():
+            if e.pinned(now):
+                continue
+            if protect and e.disk == DiskState.NONE and e.retained(now):
+                if e.size > room:
+                    continue
+                room -= e.size
+            yield e
+
+    def host_blockers(self, now: float) -> tuple[int, int]:
+        """(pinned, protected) bytes of host blocks make_host_room may not evict now: pinned by
+        copies, reads or leases, or unexpired retained ones the disk cannot admit (protect-unexpired)."""
+        protect = self.disk is not None and (self.config.protect_unexpired or self._disk_unwritable())
+        room = self._disk_room(now) if protect else 0
+        pinned = protected = 0
+        for e in self.host.entries_oldest_first():
+            if e.pinned(now):
+                pinned += e.size
+            elif protect and e.disk == DiskState.NONE and e.retained(now):
+                if e.size > room:
+                    protected += e.size
+                else:
+                    room -= e.size
+        return pinned, protected
+
+    def _disk_room(self, now: float) -> int:
+        """Disk bytes a spill could get without evicting an unexpired retained block."""
+        assert self.disk is not None
+        if self._disk_unwritable():
+            return 0
+        room = self.disk.free_bytes + sum(e.size for e in self.disk.unmarked.values() if not e.pinned(now))
+        return room + sum(e.size for e in self.disk.retained.values() if e.deadline <= now and not e.pinned(now))
+
+    def protection_reason(self) -> str:
+        """Why unexpired retained host blocks cannot spill now (for a refused Store's message)."""
+        if self._disk_unwritable():
+            assert self.segments is not None
+            return f"the disk tier cannot be written: {self.segments.store.refusal()}"
+        return "the disk tier is full of unexpired retained blocks and protect_unexpired is on"
+
+    def _disk_unwritable(self) -> bool:
+        """Disk tier v2 on a read-only filesystem (at open, or its last spill said EROFS): retained
+        blocks must stay in host memory."""
+        store = self.segments.store if self.segments is not None else None
+        return store is not None and (store.readonly or store.read_only_fault is not None)
+
+    def _evict_from_host(self, e: Entry, now: float) -> bool:
+        """Take e out of the host tier; True when it was given disk room and must be spilled (its
+        slot stays until the write ends), False when its slot went back at once."""
+        self.stats.bump(e.namespace, "host_evictions")
+        if e.disk != DiskState.NONE:
+            self.host.evict(e, keep_slot=False)  # a disk copy exists or is being written
+            return False
+        if self.disk is None:
+            self.stats.bump(e.namespace, "drops_no_disk")
+            self._drop(e)
+            return False
+        if not e.retained(now) and not self.gate(e, now):
+            self.stats.bump(e.namespace, "drops_gate")
+            self._drop(e)
+            return False
+        plan = plan_disk_eviction(self.disk, e.size, now, self.config.protect_unexpired)
+        if plan is None:
+            self.stats.bump(e.namespace, "admission_refusals")
+            self._drop(e)
+            return False
+        self._apply_disk_plan(plan)
+        self.disk.reserve(e)
+        if not self._reserve_slot(e, now):
+            self._drop(e)
+            return False
+        self.host.evict(e, keep_slot=True)
+        return True
+
+    def _drop(self, e: Entry) -> None:
+        self.host.evict(e, keep_slot=False)
+        self._forget(e)
+
+    async def _submit_spill(self, e: Entry, now: float) -> None:
+        # retained spills are never shed: they wait for room in the queue like under "wait"
+        if not await self.writes.submit(e, sheddable=not e.retained(now)):
+            self.stats.bump(e.namespace, "drops_pressure")
+            self._abandon_spill(e)
+
+    def onboard(self, e: Entry, buf: torch.Tensor) -> bool:
+        """Keep a block read from disk in the host tier, if a slot is free (no eviction)."""
+        if self.index.get_any(e.key) is not e or e.in_memory:
+            return False
+        offsets = self.host.alloc(e.size, 1) if self.host.placeable(e.size) else None
+        if offsets is None:
+            return False
+        self.host.arena.row(offsets[0], e.size).copy_(buf.view(torch.uint8).reshape(-1))
+        self.host.add([e], offsets)
+        self.stats.bump(e.namespace, "disk_onboards")
+        return True
+
+    async def onboard_evicting(self, e: Entry, buf: torch.Tensor) -> bool:
+        if self.index.get_any(e.key) is not e or e.in_memory:
+            return False
+        now = self.now()
+        fit, spills = self.make_host_room(e.size, 1, now)
+        if not fit:
+            return False
+        wait = self.room_after(spills, now, e.size, 1)
+        if wait is not None:
+            await asyncio.shield(wait)
+        return self.onboard(e, buf)
+
+    # --- disk tier
+    async def _write_jobs(self, batch: list[Entry]) -> None:
+        """A batch of spills from the write queue: disk tier v2 writes it with one store call
+        (data, then one metadata commit); the files format writes each block on its own."""
+        if self.segments is None:
+            await asyncio.gather(*(self._write_job(e) for e in batch))
+            return
+        live = []
+        for e in batch:
+            if self.index.get_any(e.key) is not e or e.disk != DiskState.QUEUED or not e.in_memory:
+                self._abandon_spill(e)  # evicted while queued
+            else:
+                live.append(e)
+        if live:
+            await self._write_segments(live)
+
+    async def _write_job(self, e: Entry) -> None:
+        """Write one spill from its slot; its disk room was reserved when it was queued."""
+        assert self.disk is not None
+        if self.index.get_any(e.key) is not e or e.disk != DiskState.QUEUED or not e.in_memory:  # evicted while queued
+            self._abandon_spill(e)
+            return
+        if self.segments is not None:
+            return await self._write_segments([e])
+        meta = self._meta(e)
+        loop = asyncio.get_running_loop()
+        e.pins += 1  # the slot is read by the writer thread: it must not be freed or reused meanwhile
+        try:
+            path = await loop.run_in_executor(
+                self.writer_pool, block_file.write_block, self.io, self.disk.root, meta, self.host.row(e))
+        except (OSError, BlockIOError, ValueError) as err:
+            log.warning("spill of %s failed: %s", e.key.hash.hex()[:16], err)
+            self.stats.bump(e.namespace, "io_errors")
+            self.host.unpin([e])
+            self._abandon_spill(e)
+            return
+        self.host.unpin([e])
+        if self.index.get_any(e.key) is not e or e.disk != DiskState.QUEUED:  # evicted while it was written
+            self.io.remove(path)
+            self._abandon_spill(e)
+            return
+        e.disk_path = path
+        e.disk_deadline = meta.deadline
+        self.disk.commit(e)
+        if e.spilling:
+            self.host.release(e)
+        self.stats.bump(e.namespace, "spills")
+        if e.deadline != e.disk_deadline:
+            await self.persist_deadline(e)
+
+    async def _write_segments(self, batch: list[Entry]) -> None:
+        """Disk tier v2: a batch of spills as one DiskStore.write straight from their host slots;
+        data, then metadata. The write settles in its done callback, so a writer cancelled
+        meanwhile (stop) leaves no slot pinned and no entry half-spilled."""
+        assert self.disk is not None and self.segments is not None
+        locs = [e.disk_loc for e in batch]
+        blocks = [BlockWrite(e.namespace, e.key.hash, e.checksum, e.deadline, e.stored_at, e.reuse) for e in batch]
+        self._writing.update(locs)
+        for e in batch:
+            e.pins += 1  # the store reads the block's host slot: it must not be freed or reused meanwhile
+        bufs = self.host.rows(batch)
+        job = self.segments.write_many(locs, blocks, bufs)
+        settled = asyncio.get_running_loop().create_future()
+
+        def settle(j: asyncio.Future) -> None:
+            err = j.exception() if not j.cancelled() else asyncio.CancelledError()
+            if err is not None:
+                log.error("spill batch of %d blocks failed: %r", len(batch), err)
+            faults = j.result() if err is None else [
+                DiskFault(FaultKind.IO_ERROR, f"spill failed: {err!r}")] * len(batch)
+            self._writing.difference_update(locs)
+            self.host.unpin(batch)
+            for e, loc, block, fault in zip(batch, locs, blocks, faults):
+                self._settle_spill(e, loc, block, fault)
+            if not settled.done():
+                settled.set_result(None)
+
+        job.add_done_callback(settle)
+        await asyncio.shield(settled)
+
+    def _settle_spill(self, e: Entry, loc: int, block: BlockWrite, fault: DiskFault | None) -> None:
+        """One block of a written batch: committed to the disk tier, or failed (slot given back)."""
+        assert self.disk is not None and self.segments is not None
+        if fault is not None:  # the store gave the slot back
+            e.disk_loc = -1
+            self.stats.bump(e.namespace, "io_errors")
+            log.warning("spill of %s failed (%s): %s", e.key.hash.hex()[:16], fault.kind.value, fault.message)
+            self._spill_failed(e)
+            return
+        if self.index.get_any(e.key) is not e or e.disk != DiskState.QUEUED:  # evicted while written
+            self.segments.free(loc)
+            e.disk_loc = -1
+            self._abandon_spill(e)
+            return
+        e.disk_deadline = block.deadline
+        self.disk.commit(e)
+        if e.spilling:
+            self.host.release(e)
+        self.stats.bump(e.namespace, "spills")
+        if e.deadline != e.disk_deadline:  # a metadata update, committed in the background
+            self.segments.set_deadline(loc, e.deadline)
+            e.disk_deadline = e.deadline
+
+    def _spill_failed(self, e: Entry) -> None:
+        """A retained block whose spill failed goes back to the host tier when it fits there (it
+        still holds its slot: no copy), instead of vanishing; anything else is dropped as before."""
+        if e.spilling and e.retained(self.now()) and self.index.get_any(e.key) is e:
+            self.disk.unreserve(e)
+            if self.host.restore(e):
+                return
+            log.error("retained block %s lost: its spill failed and the host tier has no room for it",
+                      e.key.hash.hex()[:16])
+        self._abandon_spill(e)
+
+    def _abandon_spill(self, e: Entry) -> None:
+        """Give back the disk room of a spill that will not be written; drop the block if it is no
+        longer in the host tier. Idempotent: the writer may find it abandoned already."""
+        assert self.disk is not None
+        if self.segments is not None and e.disk_loc >= 0 and e.disk == DiskState.QUEUED:
+            if e.disk_loc not in self._writing:  # a write in flight settles its own slot
+                self.segments.cancel(e.disk_loc)
+                e.disk_loc = -1
+        self.disk.unreserve(e)
+        if e.spilling or not e.in_memory or e.release_pending:
+            self.host.release(e)
+            if e.disk == DiskState.NONE:
+                self._forget(e)
+
+    def _apply_disk_plan(self, plan: list[Victim]) -> None:
+        for v in plan:
+            self.stats.bump(v.entry.namespace, v.cls.value)
+            self._drop_disk_copy(v.entry)
+
+    def _drop_disk_copy(self, e: Entry) -> None:
+        assert self.disk is not None
+        if e.disk == DiskState.QUEUED:  # a queued best-effort spill, cancelled: the writer skips it
+            self._abandon_spill(e)
+            return
+        path = e.disk_path
+        self.disk.release(e)
+        e.disk_path = ""
+        if self.segments is not None:
+            if e.disk_loc >= 0:
+                self.segments.free(e.disk_loc)
+            e.disk_loc = -1
+        else:
+            # unlink now, on the loop thread: a later spill of the same key reuses this path
+            self.io.remove(path)
+        if not e.in_memory or e.spilling or e.release_pending:
+            self._forget(e)
+
+    async def read_from_disk(self, e: Entry, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Read e's payload into `out` (a host buffer of e.size bytes; default a new one),
+        checksum-verified. Caller holds a pin on e.
+        Raises BlockIOError after discarding the block and counting the failure."""
+        loop = asyncio.get_running_loop()
+        out = torch.empty(e.size, dtype=torch.uint8) if out is None else out
+        if self.segments is not None:
+            return await self._read_segment(e, out)
+        self.reads_in_flight += 1
+        try:
+            await loop.run_in_executor(self.reader_pool, block_file.read_payload, self.io, e.disk_path, self._meta(e), out)
+        except (OSError, BlockIOError) as err:
+            counter = "checksum_failures" if isinstance(err, block_file.ChecksumMismatchError) else "io_errors"
+            self.stats.bump(e.namespace, counter)
+            log.warning("disk block %s discarded: %s", e.key.hash.hex()[:16], err)
+            if e.disk == DiskState.ON_DISK:
+                self._drop_disk_copy(e)
+            raise BlockIOError(str(err)) from err
+        finally:
+            self.reads_in_flight -= 1
+        return out
+
+    async def _read_segment(self, e: Entry, out: torch.Tensor) -> torch.Tensor:
+        """Disk tier v2: read e's slot (batched with the other reads of this turn), CRC-verified."""
+        assert self.segments is not None
+        self.reads_in_flight += 1
+        try:
+            fault = await self.segments.read(e.disk_loc, out)
+        finally:
+            self.reads_in_flight -= 1
+        if fault is not None:
+            raise self._read_failed(e, fault)
+        return out
+
+    def _read_failed(self, e: Entry, fault: DiskFault) -> BlockIOError:
+        """A disk block that cannot be served is counted and discarded; the error says why."""
+        bad_bytes = fault.kind in (FaultKind.CHECKSUM, FaultKind.WRONG_SIZE)
+        self.stats.bump(e.namespace, "checksum_failures" if bad_bytes else "io_errors")
+        log.warning("disk block %s discarded: %s", e.key.hash.hex()[:16], fault.message)
+        if e.disk == DiskState.ON_DISK:
+            self._drop_disk_copy(e)
+        return BlockIOError(fault.message)
+
+    async def read_batch(self, entries: list[Entry], scratch,
+                         block_bytes: int = 0) -> list[tuple[torch.Tensor | BaseException, bool]]:
+        """Read disk blocks (the caller pins them) as one coalesced DiskStore read. A block lands
+        in a host slot where the host tier has room - free slots, or the slots of LRU blocks that
+        have a disk copy, evicted for it (nothing to write) - and that slot becomes its host copy:
+        (row, True), onboarded with no second copy. The rest land in scratch(k) buffers (None:
+        page-aligned ones of our own): (buffer, False). A block that fails is counted and
+        discarded, (BlockIOError, False), as with read_from_disk. The read settles in its done
+        callback: a caller cancelled meanwhile leaves no slot taken and no pin held. With
+        block_bytes (the caller's pool block size), a block of another size - a row recovered from
+        a damaged or crafted disk - fails as wrong_size and is discarded, never handed over.
+        Files format: read_from_disk per block, in parallel."""
+        if block_bytes:
+            wrong = {i for i, e in enumerate(entries) if e.size != block_bytes}
+            if wrong:
+                good = await self.read_batch([e for i, e in enumerate(entries) if i not in wrong], scratch)
+                it = iter(good)
+                return [(self._read_failed(e, DiskFault(
+                    FaultKind.WRONG_SIZE, f"disk block of {e.size} bytes, the namespace's blocks are {block_bytes} "
+                    "bytes")), False) if i in wrong else next(it) for i, e in enumerate(entries)]
+        if not entries:
+            return []
+        if self.segments is None:
+            bufs = scratch(len(entries))
+            res = await asyncio.gather(*(self.read_from_disk(e, b) for e, b in zip(entries, bufs)),
+                                       return_exceptions=True)
+            return [(r, False) for r in res]
+        n, now = len(entries), self.now()
+        offsets: list[int | None] = [None] * n
+        by_size: dict[int, list[int]] = {}
+        for i, e in enumerate(entries):
+            by_size.setdefault(e.size, []).append(i)
+        for size, idxs in by_size.items():
+            if self.host.placeable(size) < len(idxs):
+                self._clean_room(size, len(idxs), now)
+            k = min(len(idxs), self.host.placeable(size))
+            for i, off in zip(idxs, (self.host.alloc(size, k) or ()) if k else ()):
+                offsets[i] = off
+        outs: list = [self.host.arena.row(off, e.size) if off is not None else None for e, off in zip(entries, offsets)]
+        rest = [i for i in range(n) if offsets[i] is None]
+        if rest:
+            for i, b in zip(rest, scratch(len(rest))):
+                outs[i] = b
+            own = [i for i in rest if outs[i] is None]
+            if own:
+                room = torch.from_numpy(aligned_buffer(sum(entries[i].size for i in own)))
+                at = 0
+                for i in own:
+                    outs[i] = room[at:at + entries[i].size]
+                    at += entries[i].size
+        for e in entries:
+            e.pins += 1  # until the read is done, also if the caller is cancelled
+        self.reads_in_flight += n
+        job = self.segments.read_many([e.disk_loc for e in entries], outs)
+        settled: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        def settle(j: asyncio.Future) -> None:
+            self.reads_in_flight -= n
+            err = j.exception() if not j.cancelled() else asyncio.CancelledError()
+            faults = j.result() if err is None else [DiskFault(FaultKind.IO_ERROR, f"disk read failed: {err!r}")] * n
+            out: list[tuple[torch.Tensor | BaseException, bool]] = []
+            for e, off, buf, fault in zip(entries, offsets, outs, faults):
+                if fault is not None:
+                    if off is not None:
+                        self.host.free([off], e.size)
+                    out.append((self._read_failed(e, fault), False))
+                elif off is None:
+                    out.append((buf, False))
+                elif self.index.get_any(e.key) is e and not e.in_memory:
+                    self.host.add([e], [off])  # the slot read into is the host copy
+                    self.stats.bump(e.namespace, "disk_onboards")
+                    out.append((buf, True))
+                elif e.in_memory:  # another call put it back in memory meanwhile: serve that copy
+                    self.host.free([off], e.size)
+                    out.append((self.host.row(e), True))
+                else:  # forgotten meanwhile: these verified bytes are still served, from a copy
+                    own_copy = buf.clone()
+                    self.host.free([off], e.size)
+                    out.append((own_copy, False))
+            self.host.unpin(entries)
+            if not settled.done():
+                settled.set_result(out)
+
+        job.add_done_callback(settle)
+        return await asyncio.shield(settled)
+
+    def _clean_room(self, size: int, want: int, now: float) -> None:
+        """Evict the oldest host blocks that have a disk copy (their slots go back at once, nothing
+        to write) until `want` blocks of `size` are placeable; looks at a bounded number of them."""
+        clean = []
+        for k, e in enumerate(self.host.entries_oldest_first()):
+            if k >= 4 * want + 64:
+                break
+            if e.disk == DiskState.ON_DISK and not e.pinned(now):
+                clean.append(e)
+        for e in clean:
+            if self.host.placeable(size) >= want:
+                return
+            self._evict_from_host(e, now)
+
+    async def persist_deadline(self, e: Entry) -> None:
+        """Rewrite the header so the deadline survives a restart."""
+        if e.disk != DiskState.ON_DISK or e.disk_deadline == e.deadline:
+            return
+        if self.segments is not None:  # a metadata update, committed in the background
+            self.segments.set_deadline(e.disk_loc, e.deadline)
+            e.disk_deadline = e.deadline
+            return
+        meta = self._meta(e)
+        e.disk_deadline = meta.deadline
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(
+            loop.run_in_executor(self.writer_pool, block_file.rewrite_header, self.io, e.disk_path, meta))
+        self._header_tasks.add(task)
+        task.add_done_callback(self._header_tasks.discard)
+        try:
+            await task
+        except (OSError, BlockIOError) as err:
+            self.stats.bump(e.namespace, "io_errors")
+            log.warning("deadline rewrite of %s failed: %s", e.key.hash.hex()[:16], err)
+
+    def mark_retained(self, e: Entry) -> None:
+        if self.disk is not None:
+            self.disk.mark_retained(e)
+
+    # --- whole entries
+    def remove(self, e: Entry) -> None:
+        """Forget e everywhere (admin evict, discard). A queued spill is cancelled; a write
+        already in progress removes its file when it finishes."""
+        self.host.release(e)
+        if e.disk != DiskState.NONE:
+            self._drop_disk_copy(e)
+        self._forget(e)
+
+    def _forget(self, e: Entry) -> None:
+        self.retention.forget(e)
+        self.index.remove(e)
+
+    def _meta(self, e: Entry) -> block_file.BlockMeta:
+        return block_file.BlockMeta(namespace=e.namespace, hash=e.key.hash, payload_len=e.size, checksum=e.checksum,
+                                    deadline=e.deadline, stored_at=e.stored_at, reuse=e.reuse)

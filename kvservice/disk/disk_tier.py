@@ -1,0 +1,101 @@
+"""Disk tier bookkeeping: which entries have a complete block file, bytes used, and the two
+orders eviction reads (an LRU of unmarked blocks, and retained blocks by deadline).
+
+Primitives:
+  reserve(entry) / unreserve(entry)   account bytes of a spill queued for writing
+  commit(entry)                       the block file is complete: the entry is on disk
+  adopt(entry)                        a complete block file found at restart
+  release(entry)                      the block file is gone (evicted, corrupt, admin)
+  touch(chain) / mark_retained(e)     refresh LRU order; move an entry to the retained order
+The files themselves are written and read by the cache through block_file / io_backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvservice.placement.index import DiskState, Entry
+from kvservice.placement.lru import ChainLRU
+
+
+class DiskTier:
+    name = "disk"
+
+    def __init__(self, root: str, capacity_bytes: int) -> None:
+        self.root = root
+        self.capacity_bytes = capacity_bytes  # what the operator configured (reported in Stats)
+        # what blocks may occupy: the capacity less what the tier's own metadata may take (disk
+        # tier v2 lowers it at open; its per-slot share is met by evicting a little more)
+        self.budget_bytes = capacity_bytes
+        self.used_bytes = 0  # complete files plus reserved in-flight writes
+        self.unmarked = ChainLRU()  # on disk, never retained
+        self.retained: dict[int, Entry] = {}  # on disk with a deadline (expired or not), by id()
+        self.queued: dict[int, Entry] = {}  # reserved spills not yet written, in spill order
+        self._on_disk = 0
+
+    @property
+    def free_bytes(self) -> int:
+        return self.budget_bytes - self.used_bytes
+
+    def __len__(self) -> int:
+        return self._on_disk
+
+    def entries(self):
+        yield from self.unmarked.values()
+        yield from self.retained.values()
+
+    def reserve(self, entry: Entry) -> None:
+        self.used_bytes += entry.size
+        assert self.used_bytes <= self.budget_bytes, "disk tier over capacity"
+        entry.disk = DiskState.QUEUED
+        self.queued[id(entry)] = entry
+
+    def unreserve(self, entry: Entry) -> None:
+        if self.queued.pop(id(entry), None) is not None:
+            self.used_bytes -= entry.size
+            entry.disk = DiskState.NONE
+
+    def adopt(self, entry: Entry) -> None:
+        """A complete block file found at restart."""
+        self.used_bytes += entry.size
+        self.queued[id(entry)] = entry
+        self.commit(entry)
+
+    def adopt_many(self, entries: Sequence[Entry]) -> None:
+        """Complete blocks found at restart, oldest first: adopt() for each, in one pass."""
+        unmarked = []
+        for e in entries:
+            self.used_bytes += e.size
+            e.disk = DiskState.ON_DISK
+            if e.deadline > 0:
+                self.retained[id(e)] = e
+            else:
+                unmarked.append(e)
+        self._on_disk += len(entries)
+        self.unmarked.append_newest(unmarked)
+
+    def commit(self, entry: Entry) -> None:
+        del self.queued[id(entry)]
+        entry.disk = DiskState.ON_DISK
+        self._on_disk += 1
+        if entry.deadline > 0:
+            self.retained[id(entry)] = entry
+        else:
+            self.unmarked.touch([entry])
+
+    def release(self, entry: Entry) -> None:
+        if entry.disk != DiskState.ON_DISK:
+            return
+        entry.disk = DiskState.NONE
+        self._on_disk -= 1
+        self.used_bytes -= entry.size
+        self.unmarked.discard(entry)
+        self.retained.pop(id(entry), None)
+
+    def touch(self, chain: Sequence[Entry]) -> None:
+        self.unmarked.touch([e for e in chain if e in self.unmarked])
+
+    def mark_retained(self, entry: Entry) -> None:
+        if entry.disk == DiskState.ON_DISK and entry in self.unmarked:
+            self.unmarked.discard(entry)
+            self.retained[id(entry)] = entry

@@ -1,0 +1,141 @@
+"""Block index: (namespace, hash) -> Entry, the one record of where a block's bytes are.
+
+An entry exists while the block is in the host tier, waiting in the write queue, or on disk.
+Tiers keep their own ordering structures (LRU, deadline heap) over the same entries.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from kvservice.core.types import BlockKey, NamespaceId, Tier
+
+
+class DiskState(enum.IntEnum):
+    NONE = 0  # no disk copy
+    QUEUED = 1  # spill waiting in the write queue or being written
+    ON_DISK = 2  # complete file under the disk path
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    key: BlockKey
+    size: int
+    checksum: int
+    stored_at: float
+    deadline: float = 0.0  # retention deadline, unix seconds; 0: never retained
+    reuse: int = 0  # times loaded
+    slot: int = -1  # byte offset of its slot in the host arena; -1: not in host memory
+    spilling: bool = False  # evicted from the host tier: the slot goes once its disk write ends
+    staged: bool = False  # while spilling: its bytes count on the spill staging budget, not the tier
+    release_pending: bool = False  # the slot is to go, once the copies pinning it are done
+    disk: DiskState = DiskState.NONE
+    disk_path: str = ""
+    disk_loc: int = -1  # disk tier v2 (segments): the block's segment slot, kvservice.disk.make_loc
+    disk_deadline: float = 0.0  # deadline written in the disk header
+    pins: int = 0  # copies or reads in flight that need the bytes to stay
+    lease_until: float = 0.0  # prefetch lease: evictable again after this
+    lease_owner: str = ""  # session that holds the prefetch lease
+    ready: bool = True  # False while a Store is still copying its bytes in
+
+    @property
+    def namespace(self) -> NamespaceId:
+        return self.key.namespace
+
+    def retained(self, now: float) -> bool:
+        return self.deadline > now
+
+    def pinned(self, now: float) -> bool:
+        return self.pins > 0 or self.lease_until > now
+
+    @property
+    def in_memory(self) -> bool:
+        """Bytes available without disk I/O: in the host tier, or in a slot a spill still holds."""
+        return self.slot >= 0
+
+    @property
+    def host_buf(self) -> int | None:
+        """The slot offset while the block's bytes count on the host tier (not on the spill staging
+        budget); None otherwise. What the host tier's used bytes add up (tests count by it)."""
+        return self.slot if self.slot >= 0 and not self.staged else None
+
+    @property
+    def tier(self) -> Tier:
+        if self.slot >= 0:
+            return Tier.HOST
+        if self.disk == DiskState.ON_DISK:
+            return Tier.DISK
+        return Tier.NONE
+
+
+class BlockIndex:
+    """One dict per namespace keyed by the 32-byte hash itself: the hot paths (Lookup, Store, Load)
+    look a batch up with one dict.get per hash on slices of the request's packed field, with no
+    key object built per block. Entries that are not ready (a Store still copying) are in it too:
+    get() hides them, namespace() callers check e.ready."""
+
+    __slots__ = ("_by_ns",)
+
+    def __init__(self) -> None:
+        self._by_ns: dict[NamespaceId, dict[bytes, Entry]] = {}
+
+    def namespace(self, ns: NamespaceId) -> dict[bytes, Entry]:
+        """The namespace's hash -> entry dict (created empty), for batch loops; ready or not."""
+        d = self._by_ns.get(ns)
+        if d is None:
+            d = self._by_ns[ns] = {}
+        return d
+
+    def prefix_tiers(self, ns: NamespaceId, hashes: Sequence[bytes]) -> list[int]:
+        """Tier value (HOST / DISK) of each block of the stored prefix of a chain: stops at the
+        first hash that is not stored (or not ready)."""
+        d = self._by_ns.get(ns)
+        if d is None:
+            return []
+        get = d.get
+        on_disk = DiskState.ON_DISK
+        host, disk = int(Tier.HOST), int(Tier.DISK)
+        out: list[int] = []
+        add = out.append
+        for h in hashes:
+            e = get(h)
+            if e is None or not e.ready:
+                break
+            if e.slot >= 0:
+                add(host)
+            elif e.disk == on_disk:
+                add(disk)
+            else:
+                break
+        return out
+
+    def get(self, key: BlockKey) -> Entry | None:
+        d = self._by_ns.get(key.namespace)
+        e = d.get(key.hash) if d is not None else None
+        return e if e is not None and e.ready else None
+
+    def get_any(self, key: BlockKey) -> Entry | None:
+        d = self._by_ns.get(key.namespace)
+        return d.get(key.hash) if d is not None else None
+
+    def add(self, entry: Entry) -> None:
+        self.namespace(entry.key.namespace)[entry.key.hash] = entry
+
+    def add_many(self, entries: Iterable[Entry]) -> None:
+        """Index many entries at once (restart: the disk tier's blocks)."""
+        for e in entries:
+            self.namespace(e.key.namespace)[e.key.hash] = e
+
+    def remove(self, entry: Entry) -> None:
+        d = self._by_ns.get(entry.key.namespace)
+        if d is not None and d.get(entry.key.hash) is entry:
+            del d[entry.key.hash]
+
+    def __len__(self) -> int:
+        return sum(len(d) for d in self._by_ns.values())
+
+    def values(self) -> Iterator[Entry]:
+        for d in list(self._by_ns.values()):
+            yield from d.values()
