@@ -327,10 +327,7 @@ class BlockCache:
         if any(e.ready for _, e, _ in new) and self.namespaces.fix_canary(s.namespace, s.canary):
             log.info("namespace %s: hash canary fixed by session %s, its first store", s.namespace, s.label)
         self._store_latency.observe(time.perf_counter() - t0)
-        if 0 in results.status:
-            for i, st in enumerate(results.status):
-                if st == 0:
-                    results.set(i, StoreStatus.FAILED, message="internal error")
+        _fail_unanswered(results, StoreStatus.FAILED)
         return results
 
     async def _store_new(self, s: Session, new: list[tuple[int, Entry, int]], ttl: float, now: float,
@@ -488,10 +485,7 @@ class BlockCache:
                 t.host.unpin(pinned)
             raise
         self._load_latency.observe(time.perf_counter() - t0)
-        if 0 in results.status:
-            for i, st in enumerate(results.status):
-                if st == 0:
-                    results.set(i, LoadStatus.FAILED, message="internal error")
+        _fail_unanswered(results, LoadStatus.FAILED)
         return results
 
     async def _collect_bytes(self, s: Session, found: list[tuple[int, int, Entry]], results: LoadResults):
@@ -798,6 +792,14 @@ class BlockCache:
             if disk != t.disk.used_bytes:
                 problems.append(f"disk tier accounts {t.disk.used_bytes} bytes, its blocks hold {disk}")
         return problems
+
+
+def _fail_unanswered(results: StoreResults | LoadResults, failed: int) -> None:
+    """A block the call left without a status (a core bug) is reported failed, never as success."""
+    if 0 in results.status:
+        for i, st in enumerate(results.status):
+            if st == 0:
+                results.set(i, failed, message="internal error")
 
 
 def _scatter(memory, arena: HostArena, host_ids: list[int], host_slots: list[int], ids: list[int],

@@ -644,65 +644,25 @@ class CudaEngineMemory:
         return self._gather(block_ids, with_checksums=True)
 
     def _gather(self, block_ids: Sequence[int], with_checksums: bool) -> tuple[list[torch.Tensor], list[int]]:
-        bb = self.block_bytes
-        n_all = len(block_ids)
-        pieces = chunk_rows(n_all, bb)
-        gpu_crc = _gpu_crc_for(self._dev) if with_checksums and crc_segment_bytes(bb) else None
-        with self._inflight, torch.cuda.device(self._dev.index), self._dev.lane() as lane:
-            try:
-                with torch.cuda.stream(lane.kernels):
-                    if self._event is not None:
-                        lane.kernels.wait_event(self._event)  # the engine's writes to these blocks come first
-                    idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self._dev.device)
-                    crc_dev = torch.empty(n_all, dtype=torch.int32, device=self._dev.device) if gpu_crc else None
-                hosts, done = [], []
-                lo = 0
-                for k in pieces:
-                    host = _pinned((k, bb))
-                    with torch.cuda.stream(lane.kernels):
-                        staged = self._gather_dev(idx[lo:lo + k])
-                        gathered = lane.kernels.record_event()
-                        if gpu_crc is not None:  # on the kernel stream, beside the DMA of the same chunk
-                            gpu_crc.rows(staged, bb, crc_dev[lo:lo + k], lane.kernels)
-                    lane.dma.wait_event(gathered)
-                    with torch.cuda.stream(lane.dma):
-                        host.view(self._dtype).copy_(staged, non_blocking=True)
-                        staged.record_stream(lane.dma)  # its memory is reused only after this copy
-                        done.append(lane.dma.record_event())
-                    del staged
-                    hosts.append(host)
-                    lo += k
-                sums: list[int] = []
-                if gpu_crc is not None:
-                    crc_host = torch.empty(n_all, dtype=torch.int32, pin_memory=True)
-                    with torch.cuda.stream(lane.kernels):
-                        crc_host.copy_(crc_dev, non_blocking=True)
-                    lane.kernels.synchronize()
-                    sums = [v & 0xFFFFFFFF for v in crc_host.tolist()]
-                futures = []
-                pool = _crc_executor() if with_checksums and gpu_crc is None else None
-                for host, ev in zip(hosts, done):
-                    ev.synchronize()
-                    if pool is not None:
-                        n = host.shape[0]
-                        step = max(1, -(-n // CRC_THREADS))
-                        futures += [pool.submit(_crc_rows, host.data_ptr() + a * bb, min(step, n - a), bb)
-                                    for a in range(0, n, step)]
-                for f in futures:
-                    sums.extend(f.result())
-            finally:
-                lane.synchronize()
-        rows = [r for h in hosts for r in h.unbind(0)]
-        return rows, sums
+        """Fresh pinned rows (one allocation) filled by the gather_into path."""
+        n, bb = len(block_ids), self.block_bytes
+        with torch.cuda.device(self._dev.index):  # pinned memory belongs to a context: this device's
+            flat = torch.empty(n * bb, dtype=torch.uint8, pin_memory=True)
+        sums = self._gather_to(flat, block_ids, [i * bb for i in range(n)], with_checksums)
+        return list(flat.view(n, bb).unbind(0)) if n else [], sums
 
     def gather_into(self, block_ids: Sequence[int], arena: HostArena, offsets: Sequence[int]) -> list[int]:
         """Engine GPU -> host arena slots (pinned): per chunk one gather kernel into device staging,
         then one D2H copy per run of adjacent slots straight into the arena, on the DMA stream while
         the next chunk gathers. Returns the CRC32C of each block (GPU kernels when available)."""
+        return self._gather_to(arena.base, block_ids, offsets, True)
+
+    def _gather_to(self, base: torch.Tensor, block_ids: Sequence[int], offsets: Sequence[int],
+                   with_checksums: bool) -> list[int]:
+        """gather_into into any flat pinned uint8 tensor; without checksums returns []."""
         bb = self.block_bytes
         n_all = len(block_ids)
-        gpu_crc = _gpu_crc_for(self._dev) if crc_segment_bytes(bb) else None
-        base = arena.base
+        gpu_crc = _gpu_crc_for(self._dev) if with_checksums and crc_segment_bytes(bb) else None
         with self._inflight, torch.cuda.device(self._dev.index), self._dev.lane() as lane:
             try:
                 with torch.cuda.stream(lane.kernels):
@@ -735,7 +695,7 @@ class CudaEngineMemory:
                     lane.kernels.synchronize()
                     sums = [v & 0xFFFFFFFF for v in crc_host.tolist()]
                 futures = []
-                pool = _crc_executor() if gpu_crc is None else None
+                pool = _crc_executor() if with_checksums and gpu_crc is None else None
                 for lo, k, ev in done:
                     ev.synchronize()
                     if pool is not None:

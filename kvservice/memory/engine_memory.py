@@ -113,13 +113,8 @@ class ShmEngineMemory:
         """Copy blocks straight into host arena slots (one index_select per run of adjacent slots
         and region); returns the CRC32C of each."""
         bb = self.block_bytes
-        idx = torch.as_tensor(list(block_ids), dtype=torch.long)
-        base = arena.base
         with self._inflight:
-            for first, n, off in runs(offsets, bb):
-                part = idx[first:first + n]
-                dst = base[off:off + n * bb]
-                dst = dst.view(torch.int64).view(n, bb // 8) if self._word == 8 else dst.view(n, bb)
+            for part, dst in self._slot_runs(block_ids, arena, offsets):
                 if len(self._views) == 1:
                     torch.index_select(self._views[0], 0, part, out=dst)
                     continue
@@ -128,8 +123,17 @@ class ShmEngineMemory:
                     width = v.shape[1]
                     dst[:, col:col + width] = v.index_select(0, part)
                     col += width
-        flat = base.numpy()  # numpy slices: a torch slice per block costs more than a 4 KiB CRC
+        flat = arena.base.numpy()  # numpy slices: a torch slice per block costs more than a 4 KiB CRC
         return [checksum(flat[o:o + bb]) for o in offsets]
+
+    def _slot_runs(self, block_ids: Sequence[int], arena: HostArena, offsets: Sequence[int]):
+        """(engine block ids, [n, row] view of their slots) per run of adjacent arena slots, in the
+        pool's copy word (8 bytes when the layout allows)."""
+        bb = self.block_bytes
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long)
+        for first, n, off in runs(offsets, bb):
+            rows = arena.base[off:off + n * bb]
+            yield idx[first:first + n], rows.view(torch.int64).view(n, bb // 8) if self._word == 8 else rows.view(n, bb)
 
     def alloc_host(self, n: int) -> list[None]:
         return [None] * n  # any CPU buffer will do: the reader allocates its own
@@ -150,14 +154,8 @@ class ShmEngineMemory:
 
     def scatter_from(self, block_ids: Sequence[int], arena: HostArena, offsets: Sequence[int]) -> None:
         """Host arena slots -> engine pool: one index_copy_ per run of adjacent slots and region."""
-        bb = self.block_bytes
-        idx = torch.as_tensor(list(block_ids), dtype=torch.long)
-        base = arena.base
         with self._inflight:
-            for first, n, off in runs(offsets, bb):
-                part = idx[first:first + n]
-                src = base[off:off + n * bb]
-                src = src.view(torch.int64).view(n, bb // 8) if self._word == 8 else src.view(n, bb)
+            for part, src in self._slot_runs(block_ids, arena, offsets):
                 col = 0
                 for v in self._views:
                     width = v.shape[1]
