@@ -232,12 +232,9 @@ class AsyncKVClient:
             reply = await self._call("Lookup", request, session)
             if reply is None:
                 return 0, []
-            got = reply.prefix_blocks
-            if got > end - pos or len(reply.tiers) != got:
-                raise KVClientError(grpc.StatusCode.INTERNAL,
-                                    f"Lookup of {end - pos} hashes answered prefix {got} with {len(reply.tiers)} tiers")
+            got, more = lookup_answer(reply, end - pos)
             prefix += got
-            tiers.extend(reply.tiers)
+            tiers.extend(more)
             if got < end - pos:
                 break
             pos = end
@@ -309,6 +306,15 @@ class AsyncKVClient:
             lambda k: out.extend([0.0] * k),
         )
         return out
+
+    @property
+    def data_target(self) -> str:
+        """The data socket the daemon named for this process's uid ("unix://..."); the channel points there."""
+        return self._data_target
+
+    @property
+    def timeout(self) -> float:
+        return self._timeout
 
     # --- internals: calls
     def _current(self) -> _Session | None:
@@ -526,6 +532,15 @@ class AsyncKVClient:
         channel, self._channel, self._stub = self._channel, None, None
         if channel is not None:
             await channel.close()
+
+
+def lookup_answer(reply: kvcache_pb2.LookupReply, asked: int) -> tuple[int, list[int]]:
+    """(prefix blocks, their tiers) of one Lookup reply to `asked` hashes; INTERNAL if inconsistent."""
+    got = reply.prefix_blocks
+    if got > asked or len(reply.tiers) != got:
+        raise KVClientError(grpc.StatusCode.INTERNAL,
+                            f"Lookup of {asked} hashes answered prefix {got} with {len(reply.tiers)} tiers")
+    return got, list(reply.tiers)
 
 
 def _pack(hashes: Sequence[bytes]) -> bytes:

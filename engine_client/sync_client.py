@@ -5,6 +5,12 @@ async call to it (asyncio.run_coroutine_threadsafe) and waits. Any thread may ca
 several threads run concurrently on the loop. `submit_load` / `submit_store` /
 `submit_prefetch` / `submit_lookup` return a concurrent.futures.Future instead of waiting, so a scheduler can
 issue loads and keep scheduling other requests while they land.
+
+Lookup is the latency-bound call (DESIGN §7: p50 <= 0.3 ms for 1024 hashes), and the hop to the
+loop thread and back costs about as much as the daemon's work (0.2-0.4 ms measured on the H200
+host and on a 2-CPU box). So `lookup` / `submit_lookup` go out from the caller's thread on a
+synchronous gRPC channel to the same data socket, with the async client's session; a detaching
+failure hands the detach to the loop (the supervisor re-attaches as for any other call).
 """
 
 from __future__ import annotations
@@ -17,11 +23,12 @@ from typing import Any, TypeVar
 
 import grpc
 
-from engine_client.client import AsyncKVClient, PoolDescriber
-from engine_client.errors import KVClientError
+from engine_client.client import _CHANNEL_OPTIONS, AsyncKVClient, PoolDescriber, _pack, lookup_answer
+from engine_client.errors import DETACHING_CODES, KVClientError, from_rpc_error
 from engine_client.hashing import BlockHasher
 from engine_client.namespace import Namespace
 from engine_client.results import LoadResults, StoreResults
+from kvwire.v1 import kvcache_pb2, kvcache_pb2_grpc
 
 T = TypeVar("T")
 
@@ -44,6 +51,8 @@ class KVClient:
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvclient-loop", daemon=True)
         self._thread.start()
         self._stopped = False
+        self._sync_lock = threading.Lock()
+        self._sync: tuple[str, grpc.Channel, kvcache_pb2_grpc.KVCacheStub] | None = None  # (target, channel, stub)
 
     # --- state (plain attribute reads of the async client: safe from any thread)
     @property
@@ -79,7 +88,17 @@ class KVClient:
         self._run(self._client.connect(required))
 
     def lookup(self, hashes: Sequence[bytes]) -> tuple[int, list[int]]:
-        return self._run(self._client.lookup(hashes))
+        plan = self._lookup_plan(hashes)
+        if plan is None:
+            return self._run(self._client.lookup(hashes))
+        session, request, stub = plan
+        if session is None:  # detached: an empty cache's answer
+            return 0, []
+        try:
+            reply = stub.Lookup(request, timeout=self._client.timeout)
+        except grpc.RpcError as err:
+            return self._lookup_failed(session, err)
+        return lookup_answer(reply, len(hashes))
 
     def store(self, hashes: Sequence[bytes], block_ids: Sequence[int], ttl_seconds: float = 0.0
               ) -> StoreResults:
@@ -107,7 +126,62 @@ class KVClient:
         return self._submit(self._client.prefetch(hashes))
 
     def submit_lookup(self, hashes: Sequence[bytes]) -> concurrent.futures.Future[tuple[int, list[int]]]:
-        return self._submit(self._client.lookup(hashes))
+        plan = self._lookup_plan(hashes)
+        if plan is None:
+            return self._submit(self._client.lookup(hashes))
+        out: concurrent.futures.Future[tuple[int, list[int]]] = concurrent.futures.Future()
+        session, request, stub = plan
+        if session is None:  # detached: an empty cache's answer
+            out.set_result((0, []))
+            return out
+        n = len(hashes)
+
+        def done(call: grpc.Future) -> None:  # on gRPC's thread (or this one, if already done)
+            try:
+                try:
+                    reply = call.result()
+                except grpc.RpcError as err:
+                    out.set_result(self._lookup_failed(session, err))
+                    return
+                out.set_result(lookup_answer(reply, n))
+            except BaseException as e:  # noqa: BLE001 - a refusal, or the call was cancelled
+                out.set_exception(e)
+        stub.Lookup.future(request, timeout=self._client.timeout).add_done_callback(done)
+        return out
+
+    def _lookup_plan(self, hashes: Sequence[bytes]):
+        """One Lookup RPC on the caller's thread: (session, request, sync stub); (None, None, None)
+        while detached; None when the async path must do it (more hashes than one batch)."""
+        if self._stopped:
+            raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "KVClient is closed")
+        c = self._client
+        session = c._current()  # raises once the client cannot be used at all (closed, refused for good)
+        if session is None:
+            return None, None, None
+        if session.max_batch_blocks and len(hashes) > session.max_batch_blocks:
+            return None
+        request = kvcache_pb2.LookupRequest(session_id=session.session_id, hashes=_pack(hashes))
+        return session, request, self._sync_stub(c.data_target)
+
+    def _sync_stub(self, target: str) -> kvcache_pb2_grpc.KVCacheStub:
+        sync = self._sync
+        if sync is not None and sync[0] == target:
+            return sync[2]
+        with self._sync_lock:  # first call, or the daemon named another data socket on re-attach
+            if self._sync is None or self._sync[0] != target:
+                old = self._sync
+                channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+                self._sync = (target, channel, kvcache_pb2_grpc.KVCacheStub(channel))
+                if old is not None:
+                    old[1].close()
+            return self._sync[2]
+
+    def _lookup_failed(self, session, err: grpc.RpcError) -> tuple[int, list[int]]:
+        """As AsyncKVClient._call: a detaching code answers as an empty cache would, and the loop detaches."""
+        if err.code() in DETACHING_CODES:
+            self._loop.call_soon_threadsafe(self._client._detach, session, "Lookup", err)
+            return 0, []
+        raise from_rpc_error(err) from None
 
     # --- lifetime
     def close(self) -> None:
@@ -121,6 +195,10 @@ class KVClient:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
             self._loop.close()
+            with self._sync_lock:
+                sync, self._sync = self._sync, None
+            if sync is not None:
+                sync[1].close()
 
     def __enter__(self) -> KVClient:
         if not self._client.connected:

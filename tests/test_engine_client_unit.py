@@ -695,6 +695,34 @@ def test_sync_client_round_trip_and_futures(daemon, socket_path, pool):
     assert daemon.closed == [session_id]
 
 
+def test_sync_client_lookup_goes_out_on_the_callers_thread(daemon, socket_path, pool):
+    """Scenario: the facade sends Lookup (blocking, and as a future) on its own synchronous channel
+    from the caller's thread, so it answers while the client's loop thread is busy; a session the
+    daemon forgot answers as an empty cache would, and the client re-attaches as after any call."""
+    with KVClient(socket_path, NS, pool, client_name="sync") as client:
+        hashes = client.hasher.hash_blocks(range(12))
+        assert [r.status for r in client.store(hashes[:2], [0, 1])] == [kvcache_pb2.STORED] * 2
+        gate = threading.Event()
+        client._loop.call_soon_threadsafe(gate.wait, 30)  # the loop thread is blocked until gate is set
+        try:
+            assert client.submit_lookup(hashes).result(10) == (2, [kvcache_pb2.TIER_HOST] * 2)
+            assert client.lookup(hashes[:1]) == (1, [kvcache_pb2.TIER_HOST])
+            with pytest.raises(KVClientError) as info:
+                client.submit_lookup([b"short"])
+            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        finally:
+            gate.set()
+        old = client.session_id
+        with daemon.lock:
+            del daemon.sessions[old]  # the daemon restarted, say: NOT_FOUND
+        assert client.submit_lookup(hashes).result(10) == (0, [])
+        deadline = time.monotonic() + 10
+        while not (client.attached and client.session_id != old) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert client.attached and client.session_id != old
+        assert client.lookup(hashes) == (2, [kvcache_pb2.TIER_HOST] * 2)
+
+
 async def test_reattach_refused_for_a_canary_mismatch_makes_data_calls_raise(daemon, socket_path, pool):
     """Scenario: while detached, the namespace was claimed by a build that hashes differently.
     Re-attaching is refused with FAILED_PRECONDITION; retrying cannot help, so the client stops
