@@ -3,6 +3,9 @@
 Primitives:
   observe_prefill(n, ctx, seconds)       a completed prefill of n tokens on top of ctx cached ones
   observe_load(tiers, block_bytes, s)    a completed Load of len(tiers) blocks (tier of each block)
+  observe_staged(deep, shallow, n, bb, s) n blocks moved deep -> shallow tier in s (a prefetch): a Load of
+                                         them from the deep tier costs that plus the shallow tier's copy
+  estimate(tiers, block_bytes)           -> seconds a Load of those blocks is expected to take (or None)
   seed(tier, latency_s, bytes_per_s)     figures measured elsewhere (the daemon, a benchmark) as a start
   plan(tiers, block_bytes, tpb, ctx)     -> Plan(blocks to load, why): the rest is recomputed
 
@@ -15,7 +18,8 @@ A tier's very first load pays one-time costs (mappings, streams, cold caches: 1.
 whose next one took 0.2 s on the H200), so it is dropped from the fit once a second load is seen.
 
 An estimate is trusted only where it was measured: for load sizes within a factor of SPREAD of the
-sizes seen, while its newest observation is younger than stale_s, and while that observation agreed
+sizes seen (or larger ones, once loads of sizes SPREAD apart show the fixed cost to be a small share:
+bytes then scale linearly), while its newest observation is younger than stale_s, and while that observation agreed
 (within SURPRISE x) with what the fit predicted for it. Outside that (a tier never loaded, a load much
 bigger or smaller than any seen, an estimate gone stale or contradicted) the tier is uncertain. The
 plan then compares its choice with the one it would make were the uncertain tiers free; where the two
@@ -37,6 +41,7 @@ SPREAD = 2.0  # a fit is trusted for load sizes within this factor of the sizes 
 WINDOW = 16  # observations kept per tier
 DECAY = 0.7  # weight of an observation relative to the next newer one
 SURPRISE = 2.0  # an observation this many times off the fit's prediction makes the tier uncertain
+BANDWIDTH_BOUND = 0.2  # a fit whose fixed cost is at most this share of its largest load extrapolates upward
 
 
 class Plan(NamedTuple):
@@ -110,7 +115,13 @@ class _TierLoads:
         if self.seen < 2 or self.surprised or now - self.obs[-1][2] > stale_s:
             return False  # a first load alone, a contradicted fit or a stale one: not trusted
         xs = [x for x, _, _ in self.obs]
-        return min(xs) / SPREAD <= nbytes <= max(xs) * SPREAD
+        lo, hi = min(xs), max(xs)
+        if nbytes < lo / SPREAD:
+            return False
+        if nbytes <= hi * SPREAD:
+            return True
+        fit = self.fit()  # bigger than any seen: trusted when the fit separated a small fixed cost
+        return hi >= SPREAD * lo and fit is not None and fit.latency_s <= BANDWIDTH_BOUND * fit.seconds(hi)
 
 
 class _Rate:
@@ -218,6 +229,32 @@ class CostModel:
                 rest -= n * block_bytes * f.seconds_per_byte
         if rest > 0:
             self._tiers.setdefault(deepest, _TierLoads()).add(count[deepest] * block_bytes, rest, now)
+
+    def observe_staged(self, deep: int, shallow: int, n_blocks: int, block_bytes: int, seconds: float) -> None:
+        """n_blocks were moved from tier `deep` to tier `shallow` in `seconds` (a prefetch's reads): a Load
+        of them from `deep` would have taken that plus the copy from `shallow` (its byte time, where trusted)."""
+        if n_blocks <= 0 or seconds <= 0:
+            return
+        now = self._clock()
+        nbytes = n_blocks * block_bytes
+        f, state = self.fit(shallow), self._tiers.get(shallow)
+        if f is not None and state is not None and state.certain_for(nbytes, now, self.stale_s):
+            seconds += nbytes * f.seconds_per_byte
+        self._tiers.setdefault(deep, _TierLoads()).add(nbytes, seconds, now)
+
+    def estimate(self, tiers: Sequence[int], block_bytes: int) -> float | None:
+        """Expected seconds of one Load of these blocks (tier of each), None while a tier has no fit."""
+        count: dict[int, int] = {}
+        for t in tiers:
+            count[t] = count.get(t, 0) + 1
+        byte_s, latency = 0.0, 0.0
+        for tier, n in count.items():
+            f = self.fit(tier)
+            if f is None:
+                return None
+            byte_s += n * block_bytes * f.seconds_per_byte
+            latency = max(latency, f.latency_s)
+        return latency + byte_s
 
     # --- the decision
     def plan(self, tiers: Sequence[int], block_bytes: int, tokens_per_block: int, ctx: int) -> Plan:

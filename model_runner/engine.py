@@ -213,6 +213,7 @@ class Engine:
         s.admit()
         s.prefetch()
         s.poll_parked()
+        s.join_landing()
         stepped = bool(s.running)
         for seq in list(s.running):
             try:

@@ -3,21 +3,28 @@
 One Prefetch of a whole history (a thousand 2 MiB blocks) lands all at once: the daemon onboards its
 blocks when every read of the call is done, so a request admitted while the staging runs finds none
 of it in host memory and reads the same blocks from disk again. Here a job's hashes go out as
-consecutive Prefetch calls of `chunk_blocks`, one after another, from a thread of its own (the
-engine's loop never waits for them): each chunk is in host memory as soon as it is read, the staged
-part is always a prefix of the chain, and the request, once admitted, loads that prefix from host
-memory (its Lookup is asked again) and recomputes or loads the rest. A job stops when its request
-leaves the queue (cancel), at the first block the daemon did not stage (a miss, a refused lease, a
-failed read: the chain's tail is of no use without it), or when the client is closed.
+consecutive Prefetch calls of `chunk_blocks`, from a thread of its own (the engine's loop never waits
+for them), at most `depth` calls in flight (the next chunk's read is queued at the disk while the
+previous one is answered: no idle disk between calls, and never more than depth x chunk bytes of reads
+that a cancel would waste): each chunk is in host memory as soon as it is read, the staged part is
+always a prefix of the chain (`PrefetchJob.staged`, which the scheduler reads at admission instead of
+asking the daemon again), and the request, once admitted, loads that prefix from host memory and
+recomputes or loads the rest. A job stops when its request leaves the queue (cancel), at the first
+block the daemon did not stage (a miss, a refused lease, a failed read: the chain's tail is of no use
+without it), or when the client is closed.
 
-Jobs run in the order submitted, which is the queue's order. Callbacks (metrics, wake) run on the
-prefetch thread.
+Jobs run in the order submitted, which is the queue's order. Callbacks (metrics, wake, the staging
+rate) run on the prefetch thread. `on_rate(blocks, seconds)`: a job's blocks read from disk so far and
+the seconds since its first call, reported after 2, 4, 8, ... chunks and when the job ends -- the
+disk's read rate as this engine sees it, which the cost model uses for the disk part of a Load.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -28,6 +35,7 @@ from kvwire.v1 import kvcache_pb2
 log = logging.getLogger(__name__)
 
 CHUNK_BLOCKS = 64  # blocks per Prefetch call: 128 MiB of 8B-shaped KV, ~0.1 s of a 1-2 GB/s disk
+DEPTH = 2  # Prefetch calls in flight per job
 _USABLE = (kvcache_pb2.STAGED, kvcache_pb2.ALREADY_IN_HOST)
 
 
@@ -50,17 +58,23 @@ class PrefetchJob:
 
 
 class Prefetcher:
-    def __init__(self, client: KVClient, *, chunk_blocks: int = CHUNK_BLOCKS,
+    def __init__(self, client: KVClient, *, chunk_blocks: int = CHUNK_BLOCKS, depth: int = DEPTH,
                  on_status: Callable[[int], None] = lambda status: None,
-                 on_chunk: Callable[[], None] = lambda: None) -> None:
+                 on_chunk: Callable[[], None] = lambda: None,
+                 on_rate: Callable[[int, float], None] = lambda blocks, seconds: None) -> None:
         """on_status: called per block answer (a PrefetchStatus value); on_chunk: after each chunk
-        (the engine's wake-up: a queued request's Lookup may now find more in host memory)."""
+        (the engine's wake-up: a queued request may now find more in host memory); on_rate: see the
+        module docstring."""
         if chunk_blocks < 1:
             raise ValueError(f"chunk_blocks must be >= 1, got {chunk_blocks}")
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
         self._client = client
         self._chunk = chunk_blocks
+        self._depth = depth
         self._on_status = on_status
         self._on_chunk = on_chunk
+        self._on_rate = on_rate
         self._jobs: deque[PrefetchJob] = deque()
         self._cv = threading.Condition()
         self._closed = False
@@ -87,7 +101,7 @@ class Prefetcher:
             return sum(1 for job in self._jobs if job.wanted) + self._active
 
     def close(self, timeout: float = 5.0) -> None:
-        """Cancel every job and stop the thread (a chunk in flight is waited for up to `timeout`)."""
+        """Cancel every job and stop the thread (the chunks in flight are waited for up to `timeout`)."""
         with self._cv:
             self._closed = True
             for job in self._jobs:
@@ -117,22 +131,52 @@ class Prefetcher:
 
     def _stage(self, job: PrefetchJob) -> None:
         n = len(job.hashes)
-        for lo in range(0, n, self._chunk):
-            if not job.wanted or self._closed:
-                return
-            try:
-                statuses = self._client.prefetch(job.hashes[lo: lo + self._chunk])
-            except KVClientError as err:
-                log.warning("prefetch failed: %s", err)
-                return
-            ok = 0
-            for status in statuses:
-                self._on_status(status)
-            for status in statuses:
-                if status not in _USABLE:
-                    break
-                ok += 1
-            job.staged = lo + ok
-            self._on_chunk()
-            if ok < len(statuses):
-                return  # the chain's tail is no use without this block
+        flight: deque[tuple[int, concurrent.futures.Future[list[int]]]] = deque()
+        nxt = 0  # first hash not asked yet
+        broken = False  # a chunk came back short: ask nothing more, drain what is in flight
+        t0 = 0.0
+        read = 0  # blocks of this job read from disk (STAGED), in the staged prefix
+        answered = 0  # chunks answered
+        try:
+            while True:
+                while (not broken and nxt < n and len(flight) < self._depth and job.wanted
+                       and not self._closed):
+                    try:
+                        fut = self._client.submit_prefetch(job.hashes[nxt: nxt + self._chunk])
+                    except KVClientError as err:
+                        log.warning("prefetch not sent: %s", err)
+                        broken = True
+                        break
+                    if not t0:
+                        t0 = time.monotonic()
+                    flight.append((nxt, fut))
+                    nxt += self._chunk
+                if not flight:
+                    return
+                lo, fut = flight.popleft()
+                try:
+                    statuses = fut.result()
+                except Exception as err:  # noqa: BLE001  # refused, cancelled, client closed: the job ends
+                    log.warning("prefetch failed: %s", err)
+                    broken = True
+                    continue
+                for status in statuses:
+                    self._on_status(status)
+                answered += 1
+                if broken or lo != job.staged:
+                    continue  # behind a gap: of no use (its leases run out)
+                ok = 0
+                for status in statuses:
+                    if status not in _USABLE:
+                        break
+                    ok += 1
+                    read += status == kvcache_pb2.STAGED
+                job.staged = lo + ok
+                self._on_chunk()
+                if ok < len(statuses):
+                    broken = True  # the chain's tail is no use without this block
+                elif answered >= 2 and answered & (answered - 1) == 0 and read:
+                    self._on_rate(read, time.monotonic() - t0)
+        finally:
+            if read and answered >= 2 and answered & (answered - 1):
+                self._on_rate(read, time.monotonic() - t0)

@@ -121,6 +121,7 @@ class PendingLoad:
     tiers: list[int]  # Lookup's tier of each block asked for
     t_start: float
     t_done: float = 0.0  # set by the future's callback, so queueing on the loop thread is not counted
+    t_expect: float = 0.0  # when the cost model expects it to land (0: no estimate)
 
 
 @dataclass(slots=True, eq=False)
@@ -150,6 +151,7 @@ class Seq:
     load: PendingLoad | None = None
     prefetched: bool = False  # prefetch() decided about this request (once)
     prefetch_job: PrefetchJob | None = None  # staging its disk blocks while it is queued
+    prefetch_from: int = 0  # the prompt block the job starts at (its staged blocks follow)
     planned_prefill: int = 0  # prompt tokens admission left to compute (not a GPU hit, not loaded)
     stored_blocks: int = 0  # leading full blocks already written through
     output: list[int] = field(default_factory=list)

@@ -16,8 +16,13 @@ Per loop iteration the engine calls:
                   -> allocate (evict LRU leaves, offload them before reuse) -> submit_load, park
   prefetch()      for the first N still-waiting requests whose Lookup found blocks on disk, once each: a
                   prefetcher.py job that stages them head first in chunks, off the loop thread (a Lookup's
-                  answer starts one itself while fewer than N are staging: no wait for the model step)
+                  answer starts one itself while fewer than N are staging: no wait for the model step);
+                  at admission the job's staged prefix counts as host-resident (no second Lookup), so the
+                  request loads that from host memory and the cost model decides about the rest; the
+                  jobs' disk read rate feeds the cost model's disk estimate (no disk load needed to learn it)
   poll_parked()   parked -> running once the Load finished; recompute from the first block not loaded
+  join_landing()  before a step with a long prefill, wait (briefly) for a parked Load expected to land
+                  within LOAD_JOIN_S, so that its request joins this step instead of the next
 and, around the model step, prefilled(seq) and finish(seq): full blocks into the radix tree,
 write-through Store (with the request's TTL), references and blocks released.
 
@@ -64,6 +69,7 @@ LOOKUP_PATIENCE_MIN_S = 0.05  # but never less than this: a busy daemon's normal
 LOOKUP_BLOCK_S = 0.025  # the loop waits this long at most for the head's Lookup before it runs a step
 LOOKUP_REFRESH_S = 0.05  # a partial answer older than this, for a request that queued, is asked again
 LOOKUP_PATIENCE_ALWAYS_S = 10.0  # load_policy "always" asked for loads: wait for the answer, however busy the host
+LOAD_JOIN_S = 0.1  # a parked Load expected to land this soon is waited for before a step with a longer prefill
 
 
 class Scheduler:
@@ -95,8 +101,10 @@ class Scheduler:
         self._in_service: set[BlockHash] = set()
         self.prefetcher: Prefetcher | None = None
         self._prefetch_lock = threading.Lock()  # prefetch decisions: the loop's and Lookup callbacks'
+        self._staging: deque[tuple[int, float]] = deque()  # (blocks, seconds) of prefetch jobs' disk reads
         if client is not None:
-            self.prefetcher = Prefetcher(client, on_status=self._count_prefetched, on_chunk=wake)
+            self.prefetcher = Prefetcher(client, on_status=self._count_prefetched, on_chunk=wake,
+                                         on_rate=lambda blocks, seconds: self._staging.append((blocks, seconds)))
 
     # --- sizes
     def blocks_needed(self, prompt_len: int, max_tokens: int) -> int:
@@ -145,13 +153,13 @@ class Scheduler:
         fut = seq.lookup
         if fut is None or not fut.done() or fut.cancelled() or fut.exception() is not None:
             return False
-        if seq.lookup_refreshed and seq.prefetch_job is None:
-            return False  # once, unless a prefetch keeps moving its blocks into host memory
+        if seq.lookup_refreshed or seq.prefetch_job is not None:
+            return False  # once; and a prefetch job's staged count says what moved to host memory
         if time.monotonic() - seq.lookup_sent < min_age:
             return False
         stored, _ = fut.result()
-        if seq.lookup_from + stored >= self._usable_blocks(seq) and seq.prefetch_job is None:
-            return False  # the answer covers the whole prompt, and no prefetch has moved blocks since
+        if seq.lookup_from + stored >= self._usable_blocks(seq):
+            return False  # the answer covers the whole prompt
         seq.lookup_refreshed = True
         old_from = seq.lookup_from
         self._send_lookup(seq)
@@ -172,6 +180,9 @@ class Scheduler:
             self._stores = pending
 
     def admit(self) -> None:
+        while self._staging:  # prefetch jobs' disk read rates (appended on the prefetch thread)
+            blocks, seconds = self._staging.popleft()
+            self.cost.observe_staged(kvcache_pb2.TIER_DISK, kvcache_pb2.TIER_HOST, blocks, self.block_bytes, seconds)
         budget = self.cfg.max_prefill_tokens
         planned = 0
         while self.waiting and len(self.running) + len(self.parked) < self.cfg.max_running:
@@ -216,6 +227,7 @@ class Scheduler:
         # long as the request is queued.
         lo = seq.lookup_from + first_disk
         assert self.prefetcher is not None
+        seq.prefetch_from = lo
         seq.prefetch_job = self.prefetcher.submit(seq.prompt_hashes[lo: seq.lookup_from + stored],
                                                   wanted=lambda: seq.phase is Phase.WAITING)
         self.metrics.prefetches.inc()
@@ -255,6 +267,23 @@ class Scheduler:
             if ok:
                 self._insert(seq, seq.prompt_hashes[: seq.reused_blocks])
             self._run(seq)
+
+    def join_landing(self) -> None:
+        """Before a step: a parked request whose Load lands within LOAD_JOIN_S (and well within the
+        step's prefill time) is waited for, so that it runs in this step rather than after it -- a
+        20 ms host load must not cost its request a whole 0.6 s step of another request's prefill."""
+        tps = self.cost.tokens_per_s
+        if not self.parked or not tps:
+            return
+        step_s = sum(s.prompt_len - s.n_cached for s in self.running) / tps
+        bound = min(LOAD_JOIN_S, step_s / 2)
+        now = time.monotonic()
+        soon = [s.load.future for s in self.parked if s.load is not None and s.load.t_expect
+                and not s.load.future.done() and s.load.t_expect - now <= bound]
+        if soon:
+            concurrent.futures.wait(soon, timeout=bound)
+        if soon or any(s.load is not None and s.load.future.done() for s in self.parked):
+            self.poll_parked()
 
     # --- around the model step
     def prefilled(self, seq: Seq, n_tokens: int, ctx: int, seconds: float) -> None:
@@ -381,7 +410,9 @@ class Scheduler:
             seq.kv_source = "recomputed:service-down"
             self._run(seq)
             return True
-        load = seq.load = PendingLoad(fut, tiers[:k], time.monotonic())
+        now = time.monotonic()
+        expect = self.cost.estimate(tiers[:k], self.block_bytes)
+        load = seq.load = PendingLoad(fut, tiers[:k], now, t_expect=now + expect if expect is not None else 0.0)
 
         def landed(_: concurrent.futures.Future[Any]) -> None:
             load.t_done = time.monotonic()
@@ -400,8 +431,14 @@ class Scheduler:
         try:
             if fut is not None and m >= seq.lookup_from and not fut.cancelled():
                 stored, tiers = fut.result()
+                tiers = list(tiers)
+                job = seq.prefetch_job
+                if job is not None and job.staged:  # staged since the Lookup (leased: they stay in host memory)
+                    lo = seq.prefetch_from - seq.lookup_from
+                    for i in range(max(0, lo), min(stored, lo + job.staged)):
+                        tiers[i] = kvcache_pb2.TIER_HOST
                 skip = m - seq.lookup_from  # the GPU tier grew since the Lookup: those blocks are ours
-                return max(0, stored - skip), list(tiers[skip:])
+                return max(0, stored - skip), tiers[skip:]
             if fut is not None and fut.cancelled():
                 return 0, []  # unanswered in time: a miss
             # No Lookup in flight (the service was down at enqueue) or GPU blocks evicted since: ask now.

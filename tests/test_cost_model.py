@@ -204,3 +204,43 @@ def test_short_prefill_tails_do_not_make_recompute_look_dear() -> None:
     clock.t += 0.1
     assert cm.plan([DISK] * 945, BLOCK, TPB, 992) == Plan(0, "recompute")
     assert cm.tokens_per_s is not None and cm.tokens_per_s > 20000
+
+
+def test_prefetch_reads_make_a_slow_disk_known_without_loading_from_it() -> None:
+    """Scenario (the H200 disk setting): the prefetcher reports its jobs' disk reads -- 128 blocks in
+    5.4 s, then 512 in 21.5 s (0.05 GB/s, 42 ms a block, against 16 ms of prefill) -- and host loads are
+    known (seeded, 20 GB/s). Without a single Load from disk the model recomputes a disk prefix, even one
+    8x longer than any read seen (the reads separated a small fixed cost from the bytes), and of a prefix
+    whose head was staged into host memory it loads the host part and recomputes the disk tail."""
+    clock = Clock()
+    cm = model(clock)
+    cm.seed(HOST, 0.001, 20e9, BLOCK)
+    host_byte_s = BLOCK / 20e9
+    for n in (64, 128, 512):  # the first report is a warm-up, dropped once the second arrives
+        cm.observe_staged(DISK, HOST, n, BLOCK, 0.003 + n * BLOCK / 0.05e9)
+        clock.t += 1
+    fit = cm.fit(DISK)
+    assert fit is not None
+    assert fit.seconds_per_byte == pytest.approx(1 / 0.05e9 + 1 / 20e9, rel=0.01)  # the reads plus the host copy
+    assert cm.plan([DISK] * 945, BLOCK, TPB, 0) == Plan(0, "recompute")
+    assert cm.plan([DISK] * 4096, BLOCK, TPB, 0) == Plan(0, "recompute")  # 8x the largest read: extrapolated
+    assert cm.plan([HOST] * 300 + [DISK] * 645, BLOCK, TPB, 0) == Plan(300, "load")
+    est = cm.estimate([HOST] * 300, BLOCK)
+    assert est is not None and est == pytest.approx(0.001 + 300 * host_byte_s, rel=0.01)
+
+
+def test_a_fit_of_one_size_or_of_latency_dominated_loads_is_not_extrapolated() -> None:
+    """Scenario: prefill at 0.1 ms a token (1.6 ms a block). Host loads of 7 blocks only, in 16.9 ms (the
+    issue's latency-dominated first loads: 2.4 ms a block if it were all bytes), or of 7 and 14 blocks
+    whose fixed cost is a quarter of the larger one (10 ms + 1 GB/s): neither says what 200 blocks cost
+    (an estimate above their 320 ms of prefill), so 200 is explored rather than recomputed."""
+    for loads in (((7, 0.0169), (7, 0.0169), (7, 0.0169)),
+                  ((7, 0.010 + 7 * BLOCK / 1e9), (7, 0.010 + 7 * BLOCK / 1e9), (14, 0.010 + 14 * BLOCK / 1e9))):
+        clock = Clock()
+        cm = CostModel(flops, clock=clock)
+        cm.observe_prefill(1000, 0, 0.1)
+        for n, seconds in loads:
+            cm.observe_load([HOST] * n, BLOCK, seconds)
+            clock.t += 1
+        assert cm.plan([HOST] * 200, BLOCK, TPB, 0) == Plan(200, "explore")
+    assert cm.estimate([DISK], BLOCK) is None  # never measured

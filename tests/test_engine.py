@@ -402,8 +402,8 @@ def test_stream_stop_ids_and_validation(engines: Callable[..., Engine]) -> None:
 def test_prefetcher_stages_a_chain_head_first_in_chunks_up_to_its_first_gap(
         daemon: Daemon, engines: Callable[..., Engine]) -> None:
     """Scenario: a 10-block prompt pushed to disk by a 34-block one (32-block host tier). A job for its 10 hashes plus 2 the
-    daemon never saw, in chunks of 4: three Prefetch calls, 10 blocks staged (the first chunk in host
-    memory before the second is asked), the job stops at the gap; a cancelled job asks nothing."""
+    daemon never saw, in chunks of 4 (two calls in flight): three Prefetch calls, 10 blocks staged (the head
+    chunk in host memory as soon as it is answered), the job stops at the gap; a cancelled job asks nothing."""
     ids = tokens(60, 10 * TPB + 3)
     a = engines(daemon.target)
     run(a, ids, max_tokens=2)
@@ -434,6 +434,46 @@ def test_prefetcher_stages_a_chain_head_first_in_chunks_up_to_its_first_gap(
     r = run(b, ids, max_tokens=2)
     assert r.kv_source == "loaded" and r.cached_by_tier["host"] == 10 * TPB
     assert r.output_ids == reference(ids, 2)
+
+
+@pytest.mark.parametrize("daemon", [{"host_capacity": "64KiB", "env": {"KVSERVICE_PREFETCH_SHARE": "1",
+                                                                      "KVSERVICE_PREFETCH_TOTAL_SHARE": "1"}}],
+                         indirect=True)
+def test_admission_counts_a_prefetch_jobs_staged_prefix_as_host_without_asking_again(
+        daemon: Daemon, engines: Callable[..., Engine]) -> None:
+    """Scenario: a request whose 6-block prefix is on disk is enqueued (loop not started: admission by
+    hand); its Lookup answers TIER_DISK and starts a prefetch job, which stages all 6. At admission the
+    scheduler plans the Load from what the job staged -- every block from the host tier -- without a
+    second Lookup (a round trip on the head's path, slow while prefetch reads are in flight); the Load
+    comes from host memory and the tokens are the reference's."""
+    ids = tokens(80, 6 * TPB + 3)
+    a = engines(daemon.target)
+    run(a, ids)
+    run(a, tokens(81, 8 * TPB + 3), max_tokens=2)
+    a.stop()
+    wait_until(lambda: daemon.stats().counters.spills >= 6, what="spills to disk")
+    b = Engine(EngineConfig(service=daemon.target, load_policy="always"))
+    try:
+        handle = b.submit(GenerationRequest(list(ids), max_tokens=6))
+        s = b.sched
+        while b._inbox:
+            s.enqueue(b._inbox.popleft())
+        seq = s.waiting[0]
+        assert seq.lookup is not None
+        _, tiers = seq.lookup.result(timeout=10)
+        assert tiers[0] == kvcache_pb2.TIER_DISK
+        wait_until(lambda: seq.prefetch_job is not None and seq.prefetch_job.done, what="the prefetch job")
+        assert seq.prefetch_job is not None and seq.prefetch_job.staged == 6
+        lookups = b.registry.get_sample_value("model_runner_lookup_seconds_count")
+        s.admit()
+        assert seq.load is not None and seq.load.tiers == [kvcache_pb2.TIER_HOST] * 6
+        assert b.registry.get_sample_value("model_runner_lookup_seconds_count") == lookups
+        b.start()
+        r = handle.result(timeout=60)
+        assert r.kv_source == "loaded" and r.cached_by_tier["host"] == 6 * TPB
+        assert r.output_ids == reference(ids)
+    finally:
+        b.stop()
 
 
 def test_a_step_admits_prompts_up_to_the_prefill_budget() -> None:
