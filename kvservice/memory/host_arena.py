@@ -28,6 +28,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -185,8 +186,17 @@ class HostArena:
             pass
 
 
-def runs(offsets: Sequence[int], block_bytes: int) -> list[tuple[int, int, int]]:
-    """(first position, count, first offset) of each run of slots that are back to back, in order."""
+def runs(offsets: Sequence[int] | np.ndarray, block_bytes: int) -> list[tuple[int, int, int]]:
+    """(first position, count, first offset) of each run of slots that are back to back, in order.
+    Long inputs (thousands of small blocks in one batch) are split with numpy, not a Python loop."""
+    if len(offsets) > 64:
+        o = np.asarray(offsets, dtype=np.int64)
+        starts = np.flatnonzero(np.diff(o) != block_bytes) + 1
+        starts = np.concatenate(([0], starts))
+        counts = np.diff(np.append(starts, len(o)))
+        return list(zip(starts.tolist(), counts.tolist(), o[starts].tolist()))
+    if isinstance(offsets, np.ndarray):
+        offsets = offsets.tolist()
     out: list[tuple[int, int, int]] = []
     first = 0
     for i in range(1, len(offsets) + 1):
