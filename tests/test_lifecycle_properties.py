@@ -1,10 +1,16 @@
-"""Property test of the block lifecycle under cancellation (DESIGN §5, "Lifecycle"): random
-interleavings of Stores, Loads and Prefetches that run concurrently and are cancelled after a
-random number of event-loop steps, with evictions, clock advances (lease and prefetch-lease
-reaping) and session closes between them. After every step, once the copy threads and disk
-writes have settled, BlockCache.audit() is clean: nothing half-made, nothing pinned, no lease
-without an open session, each tier's and the arena's room equal to the bytes its blocks hold;
-and every block a Load reports LOADED has exactly the bytes stored under its hash.
+"""Property test of the block lifecycle (kvservice.core.lifecycle; DESIGN §5, "Lifecycle"): random
+interleavings of Stores, Loads, Prefetches and Retains that run concurrently and end after a random
+number of event-loop steps - cancelled, or their session closed under them (a dead client), or left
+to finish - with admin evictions, clock advances (session and prefetch-lease reaping) and session
+closes between them. Checked against a small model:
+  - at every event-loop step of those calls (every await point they reach): the host tier's used
+    bytes equal the slots of its reserved, rolled-back and ready blocks; staging and arena books
+    add up; every lease has an open owner (BlockCache.audit(idle=False));
+  - after every step, once copy threads and disk I/O have settled: nothing reserved or half-made,
+    nothing pinned, no lease without an open session, every book adds up (BlockCache.audit());
+  - every block a Load reports LOADED has exactly the bytes stored under its hash;
+  - with a disk tier under protect-unexpired, every block acknowledged as retained (a Store or a
+    Retain answered a deadline) loads byte-exact until that deadline, or is reported FAILED.
 """
 
 from __future__ import annotations
@@ -17,14 +23,16 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvservice.core.clock import FakeClock
-from kvservice.core.types import CacheError, LoadStatus, StoreStatus
+from kvservice.core.types import CacheError, ErrorCode, LoadStatus, StoreStatus
 from tests.corekit import Engine, Pool, content, h, small_config, started_cache
 
 NUMBERS = st.lists(st.integers(0, 11), min_size=1, max_size=4, unique=True)
-OPS = st.lists(st.tuples(st.sampled_from(["store", "store_ttl", "load", "prefetch"]), NUMBERS), min_size=1, max_size=3)
+OPS = st.lists(st.tuples(st.sampled_from(["store", "store_ttl", "load", "prefetch", "retain"]), NUMBERS),
+               min_size=1, max_size=3)
+TTL = 60.0
 
 
 class SlotSafeEngine(Engine):
@@ -57,18 +65,23 @@ class SlotSafeEngine(Engine):
 
 
 class LifecycleMachine(RuleBasedStateMachine):
-    @initialize(policy=st.sampled_from(["wait", "shed"]), disk=st.booleans())
-    def start(self, policy: str, disk: bool) -> None:
+    @initialize(policy=st.sampled_from(["wait", "shed"]), disk=st.booleans(), protect=st.booleans())
+    def start(self, policy: str, disk: bool, protect: bool) -> None:
         self.loop = asyncio.new_event_loop()
         self.tmp = Path(tempfile.mkdtemp())
         self.clock = FakeClock()
         cfg = small_config(self.tmp, host_capacity_bytes=3 * 4096, disk_blocks=6 if disk else 0,
                            write_queue_depth=1, writer_threads=1, write_queue_policy=policy,
-                           lease_seconds=30.0, pin_lease_seconds=5.0, prefetch_share=0.5)
+                           lease_seconds=30.0, pin_lease_seconds=5.0, prefetch_share=0.5,
+                           protect_unexpired=protect)
         self.ctx = started_cache(cfg, self.clock)
         self.cache = self.loop.run_until_complete(self.ctx.__aenter__())
         self.pool = Pool(num_blocks=32)
         self.eng = SlotSafeEngine(self.cache, self.pool)
+        # the model: block number -> the latest retention deadline the cache acknowledged for it
+        self.retained: dict[int, float] = {}
+        # a retained block must survive only where it can be kept: a disk tier, protect-unexpired
+        self.guarded = disk and protect
 
     def run(self, coro):
         return self.loop.run_until_complete(coro)
@@ -87,6 +100,8 @@ class LifecycleMachine(RuleBasedStateMachine):
                 await asyncio.sleep(0.001)
             await asyncio.gather(*(loop.run_in_executor(pool, barrier.wait) for _ in range(pool._max_workers)))
             barrier.reset()
+            if self.cache._background:  # disk hits onboarded after a Load's reply
+                await asyncio.gather(*list(self.cache._background), return_exceptions=True)
             for _ in range(5):
                 await asyncio.sleep(0)
 
@@ -96,38 +111,76 @@ class LifecycleMachine(RuleBasedStateMachine):
         except CacheError:  # reaped: the engine opens a new session, as engine_client would
             self.eng = SlotSafeEngine(self.cache, self.pool)
 
-    @rule(ops=OPS, steps=st.integers(0, 12))
-    def concurrent_calls_cancelled_after_some_steps(self, ops, steps):
+    def _acknowledge(self, numbers, deadlines) -> None:
+        for i, d in zip(numbers, deadlines):
+            if d > 0:
+                self.retained[i] = max(self.retained.get(i, 0.0), d)
+
+    def _start(self, op: str, nums: list[int]) -> asyncio.Future:
+        if op == "store":
+            return asyncio.ensure_future(self.eng.store(nums))
+        if op == "store_ttl":
+            return asyncio.ensure_future(self.eng.store(nums, ttl=TTL))
+        if op == "load":  # SlotSafeEngine.load checks the bytes of every LOADED block
+            return asyncio.ensure_future(self.eng.load(nums))
+        if op == "retain":
+            return asyncio.ensure_future(self.cache.retain(self.eng.sid, [h(i) for i in nums], TTL))
+        return asyncio.ensure_future(self.cache.prefetch(self.eng.sid, [h(i) for i in nums]))
+
+    @rule(ops=OPS, steps=st.integers(0, 12), end=st.sampled_from(["cancel", "cancel", "close_session", "finish"]))
+    def concurrent_calls(self, ops, steps, end):
+        """Calls in flight together; after `steps` loop steps (the books checked at each) they are
+        cancelled, or their session is closed under them, or they run to their end."""
         async def go():
-            tasks = []
-            for op, nums in ops:
-                if op == "store":
-                    tasks.append(asyncio.ensure_future(self.eng.store(nums)))
-                elif op == "store_ttl":
-                    tasks.append(asyncio.ensure_future(self.eng.store(nums, ttl=60.0)))
-                elif op == "load":  # Engine.load checks the bytes of every LOADED block
-                    tasks.append(asyncio.ensure_future(self.eng.load(nums)))
-                else:
-                    tasks.append(asyncio.ensure_future(self.cache.prefetch(self.eng.sid, [h(i) for i in nums])))
+            tasks = [self._start(op, nums) for op, nums in ops]
             for _ in range(steps):
                 await asyncio.sleep(0)
-            for t in tasks:
-                t.cancel()
-            for (op, _), t in zip(ops, tasks):
+                assert self.cache.audit(idle=False) == []
+            if end == "cancel":
+                for t in tasks:
+                    t.cancel()
+            elif end == "close_session":
+                await self.cache.close_session(self.eng.sid)
+            for (op, nums), t in zip(ops, tasks):
                 try:
                     res = await t
                 except asyncio.CancelledError:
+                    assert end == "cancel"
+                    continue
+                except CacheError as err:  # its pool was unmapped under it, or its session was gone
+                    assert end == "close_session" and err.code == ErrorCode.NOT_FOUND, err
                     continue
                 if op.startswith("store"):
                     assert all(r.status != StoreStatus.FAILED for r in res), [r.message for r in res]
+                    self._acknowledge(nums, [r.deadline for r in res])
                 elif op == "load":
-                    assert all(r.status in (LoadStatus.LOADED, LoadStatus.MISSING) for r in res), [r.message for r in res]
+                    bad = [r for r in res if r.status not in (LoadStatus.LOADED, LoadStatus.MISSING)]
+                    assert not bad, [r.message for r in bad]
+                elif op == "retain":
+                    self._acknowledge(nums, res)
             await self._settle()
         self.run(go())
+        if end == "close_session":
+            self.eng = SlotSafeEngine(self.cache, self.pool)
 
-    @rule(nums=NUMBERS)
-    def store(self, nums):
-        self.run(self.eng.store(nums))
+    @rule(nums=NUMBERS, ttl=st.sampled_from([0.0, TTL]))
+    def store(self, nums, ttl):
+        res = self.run(self.eng.store(nums, ttl))
+        assert all(r.status != StoreStatus.FAILED for r in res), [r.message for r in res]
+        self._acknowledge(nums, [r.deadline for r in res])
+        self.run(self._settle())
+
+    @precondition(lambda self: self.guarded and self.retained)
+    @rule()
+    def retained_blocks_load_exact(self):
+        now = self.clock.now()
+        live = sorted(i for i, d in self.retained.items() if d > now)
+        if not live:
+            return
+        res = self.run(self.eng.load(live[:4]))  # checks the bytes of every LOADED block
+        for i, r in zip(live, res):
+            assert r.status == LoadStatus.LOADED or (r.status == LoadStatus.FAILED and r.message), \
+                f"retained block {i} (deadline {self.retained[i] - now:.0f} s ahead) answered {r.status.name}"
         self.run(self._settle())
 
     @rule(seconds=st.sampled_from([1.0, 6.0, 40.0]))
@@ -149,9 +202,11 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.run(self._settle())
         self.eng = SlotSafeEngine(self.cache, self.pool)
 
-    @rule()
-    def evict_all(self):
-        self.run(self.cache.evict(all=True))
+    @rule(which=st.sampled_from(["all", "expired"]))
+    def admin_evict(self, which):
+        self.run(self.cache.evict(all=True) if which == "all" else self.cache.evict(expired=True))
+        if which == "all":
+            self.retained.clear()  # the operator's call: nothing is owed any more
 
     @invariant()
     def audit_is_clean(self):

@@ -116,7 +116,7 @@ async def test_leases_of_a_closed_session_are_released_and_no_longer_count(tmp_p
         assert sum(r.status == PrefetchStatus.ALREADY_IN_HOST for r in out) == 4
         assert [s.pinned_blocks for s in cache.sessions()] == [4]
         await cache.close_session(eng.sid)
-        assert cache._leased_bytes == {}
+        assert cache.tiers.life.leases.bytes_by_owner == {}
         assert all(e.lease_until == 0.0 for e in cache.tiers.index.values())
         assert cache.audit() == []
         pool.close()

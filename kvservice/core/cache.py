@@ -17,7 +17,6 @@ Moves between tiers live in tiers.Tiers; the policies in eviction and retention.
 from __future__ import annotations
 
 import asyncio
-import heapq
 import logging
 import os
 import time
@@ -67,11 +66,6 @@ class BlockCache:
         self.arena: HostArena | None = None
         self.namespaces = NamespaceRegistry(config.disk_path if config.has_disk else "")
         self._sessions = SessionTable(config.lease_seconds, config.max_sessions, config.max_sessions_per_uid)
-        self._leases: dict[BlockKey, tuple[Entry, bool]] = {}  # prefetch leases: entry, staged from disk
-        self._leased_bytes: dict[SessionId, int] = {}  # bytes of each session's running leases
-        self._leased_total = 0  # bytes of all running leases
-        self._lease_expiry: list[tuple[float, int, BlockKey]] = []  # heap of (until, seq, key); stale ones skipped
-        self._lease_seq = 0
         self._copy_pool = ThreadPoolExecutor(4, thread_name_prefix="kv-copy")
         self._store_latency = Histogram("store")
         self._load_latency = Histogram("load")
@@ -174,10 +168,8 @@ class BlockCache:
 
     def _close(self, s: Session) -> asyncio.Future:
         self._sessions.remove(s.id)
-        for key in list(s.leased):
-            held = self._leases.get(key)
-            if held is not None and held[0].lease_owner == s.id:
-                self._end_lease(key, used=False)
+        if self.tiers is not None:
+            self.tiers.life.end_leases_of(s.id)
         log.info("session %s closed", s.label)
         # unmapping waits for copies in flight: do it off the event loop (not on the copy pool,
         # whose threads may be the very copies it waits for)
@@ -194,31 +186,9 @@ class BlockCache:
             log.warning("session %s (uid %d pid %d, client %s) missed its lease; releasing it", s.label, s.peer.uid,
                         s.peer.pid, quoted(s.client_name))
             self._close(s)
-        self._end_expired_leases(now)
+        if self.tiers is not None:
+            self.tiers.life.end_expired_leases(now)
         return [s.id for s in dead]
-
-    def _end_lease(self, key: BlockKey, used: bool) -> None:
-        e, staged = self._leases.pop(key)
-        self._leased_total -= e.size
-        if staged:
-            self.stats.bump(e.namespace, "prefetch_used" if used else "prefetch_wasted")
-        owner = SessionId(e.lease_owner)
-        left = self._leased_bytes.get(owner, 0) - e.size
-        if left > 0:
-            self._leased_bytes[owner] = left
-        else:
-            self._leased_bytes.pop(owner, None)
-        s = self._open_session_or_none(owner)
-        if s is not None:
-            s.leased.discard(key)
-        e.lease_until = 0.0
-        e.lease_owner = ""
-
-    def _open_session_or_none(self, session_id: SessionId) -> Session | None:
-        try:
-            return self._sessions.get(session_id)
-        except CacheError:
-            return None
 
     # --- validation
     def _session(self, session_id: str, namespace_id: str) -> Session:
@@ -280,82 +250,104 @@ class BlockCache:
                     ttl_seconds: float = 0.0, namespace_id: str = "") -> StoreResults:
         """Store engine blocks block_ids[i] as hashes[i] (a chain segment, head first). Validate,
         plan (no await), copy (one job per chunk), commit, each one pass over the batch. Every
-        reservation the plan makes - index entries that are not ready, host room - is rolled back
-        if the call fails or is cancelled at any await."""
+        reservation the plan makes - index entries that are not ready, host slots - is rolled back
+        (lifecycle.Lifecycle.rollback) if the call fails or is cancelled at any await."""
         t0 = time.perf_counter()
         s = self._session(session_id, namespace_id)
         hs = self._hashes(hashes)
         ids = self._block_ids(s, len(hs), block_ids)
         self.namespaces.check_canary(s.namespace, s.canary)  # another session may have fixed it since
         t = self._t
+        life = t.life
         ttl = t.retention.clamp_ttl(ttl_seconds)
         now = self.clock.now()
         results = StoreResults(len(hs))
         ns, size = s.namespace, s.block_bytes
         blocks = t.index.namespace(ns)
-        new: list[tuple[int, Entry, int]] = []  # (position, entry, engine block id)
+        get = blocks.get
+        new_pos: list[int] = []  # positions of hashes not stored yet
         touched: list[tuple[int, Entry]] = []
         for i, h in enumerate(hs):
-            e = blocks.get(h)
-            if e is not None:
+            e = get(h)
+            if e is None:
+                new_pos.append(i)
+            else:
                 touched.append((i, e))
-                continue
-            e = blocks[h] = Entry(BlockKey(ns, h), size, 0, now, pins=1, ready=False)
-            new.append((i, e, ids[i]))
+        new_hashes = [hs[i] for i in new_pos]
+        dups: list[int] = []
+        if len(set(new_hashes)) < len(new_hashes):  # a hash twice in one batch: its first place stores it
+            first: dict[bytes, int] = {}
+            for i in new_pos:
+                first.setdefault(hs[i], i)
+            dups = [i for i in new_pos if first[hs[i]] != i]
+            new_pos = [i for i in new_pos if first[hs[i]] == i]
+            new_hashes = [hs[i] for i in new_pos]
+        entries = life.reserve(blocks, ns, new_hashes, size, now)
+        touched.extend((i, blocks[hs[i]]) for i in dups)
         try:
             if touched:
-                self.stats.bump(ns, "store_hits", len(touched))
-                hit = [e for _, e in touched]
-                t.host.touch(hit)
-                if t.disk is not None:
-                    t.disk.touch(hit)
-                # hits are retained first: a block this Store retains is no victim of its own evictions
-                for i, e in touched:
-                    if not e.ready:
-                        results.set(i, StoreStatus.ALREADY_STORED)
-                    elif ttl:
-                        await self._retain_one(e, ttl, now, StoreStatus.ALREADY_STORED, results, i)
-                    else:
-                        results.set(i, StoreStatus.ALREADY_STORED, e.deadline if e.deadline > now else 0.0)
-            if new:
-                await self._store_new(s, new, ttl, now, results)
+                await self._store_hits(touched, ttl, now, results)
+            if entries:
+                await self._store_new(s, new_pos, entries, [ids[i] for i in new_pos], ttl, now, results)
         finally:
-            # whatever is still not ready was reserved by this call and never committed
-            for _, e, _ in new:
-                if not e.ready:
-                    t.index.remove(e)
-        if any(e.ready for _, e, _ in new) and self.namespaces.fix_canary(s.namespace, s.canary):
+            life.rollback(entries)  # whatever is still not ready was reserved by this call and never committed
+        if entries and entries[0].ready and self.namespaces.fix_canary(s.namespace, s.canary):
             log.info("namespace %s: hash canary fixed by session %s, its first store", s.namespace, s.label)
         self._store_latency.observe(time.perf_counter() - t0)
         _fail_unanswered(results, StoreStatus.FAILED)
         return results
 
-    async def _store_new(self, s: Session, new: list[tuple[int, Entry, int]], ttl: float, now: float,
-                         results: StoreResults) -> None:
+    async def _store_hits(self, touched: list[tuple[int, Entry]], ttl: float, now: float,
+                          results: StoreResults) -> None:
+        """Blocks of a Store that are stored already: touched, and retained if asked. Hits are
+        retained first: a block this Store retains is no victim of its own evictions."""
+        t = self._t
+        self.stats.bump(touched[0][1].namespace, "store_hits", len(touched))
+        hit = [e for _, e in touched]
+        t.host.touch(hit)
+        if t.disk is not None:
+            t.disk.touch(hit)
+        persist: list[Entry] = []
+        for i, e in touched:
+            if not e.ready:  # a concurrent Store is copying it in
+                results.set(i, StoreStatus.ALREADY_STORED)
+            elif ttl:
+                if self._retain_one(e, ttl, now, StoreStatus.ALREADY_STORED, results, i):
+                    persist.append(e)
+            else:
+                results.set(i, StoreStatus.ALREADY_STORED, e.deadline if e.deadline > now else 0.0)
+        for e in persist:
+            await t.persist_deadline(e)
+
+    async def _store_new(self, s: Session, pos: list[int], entries: list[Entry], bids: list[int], ttl: float,
+                         now: float, results: StoreResults) -> None:
         """Copy new blocks in, head first, in chunks the host tier can hold: a batch larger than
         the host tier streams through it (earlier chunks spill as later ones arrive)."""
         t = self._t
         chunk = max(1, min(t.host.arena.max_slots(s.block_bytes), t.host.capacity_bytes // s.block_bytes))
-        for lo in range(0, len(new), chunk):
-            stored = await self._store_chunk(s, new[lo:lo + chunk], ttl, now, results)
+        for lo in range(0, len(entries), chunk):
+            hi = lo + chunk
+            stored = await self._store_chunk(s, pos[lo:hi], entries[lo:hi], bids[lo:hi], ttl, now, results)
             if not stored:
-                for i, e, _ in new[lo + chunk:]:
-                    t.index.remove(e)
+                t.life.rollback(entries[hi:])
+                for i in pos[hi:]:
                     results.set(i, StoreStatus.NOT_STORED, message="no room in the host tier")
                 return
 
-    async def _store_chunk(self, s: Session, new: list[tuple[int, Entry, int]], ttl: float, now: float,
-                           results: StoreResults) -> bool:
+    async def _store_chunk(self, s: Session, pos: list[int], entries: list[Entry], bids: list[int], ttl: float,
+                           now: float, results: StoreResults) -> bool:
         """Store what fits of one chunk; False when some of it did not fit. Plan (evict, no await),
-        wait for the spills that make the room, take slots, copy the engine's blocks straight into
-        them, commit. Cancelled or failed before the commit, the slots go back (after the copy
-        thread is done with them) and the entries go in store()'s finally."""
+        wait for the spills that make the room, take slots (placed on the reserved entries), copy
+        the engine's blocks straight into them, commit. Cancelled or failed before the commit, the
+        reservations are rolled back; their slots go once the copy thread is done with them."""
         t = self._t
+        life = t.life
         size = s.block_bytes
+        n = len(entries)
         # head first: when only part of the chain fits, keep its prefix
         fit, offsets = 0, None
         for attempt in range(4):  # a concurrent Store may take the slots our spills freed: plan again
-            fit, spills = t.make_host_room(size, len(new) if attempt == 0 else fit, now)
+            fit, spills = t.make_host_room(size, n if attempt == 0 else fit, now)
             wait = t.room_after(spills, now, size, fit) if spills else None
             if fit and wait is not None:
                 # the spills belong to the tiers, not to this call: cancelling the Store must not abandon them
@@ -365,49 +357,49 @@ class BlockCache:
         if fit:
             fit = min(fit, t.host.placeable(size))
             offsets = t.host.alloc(size, fit) if fit else None
-        if fit < len(new):
+            if offsets is None:
+                fit = 0
+        if fit < n:
             pinned, protected = t.host_blockers(now)
             if protected:  # DESIGN §5 protect-unexpired: refused admission, counted
                 why = "the rest of it holds unexpired retained blocks that cannot spill: " + t.protection_reason()
-                self.stats.bump(s.namespace, "admission_refusals", len(new) - fit)
+                self.stats.bump(s.namespace, "admission_refusals", n - fit)
             elif pinned:
                 why = "the rest of it is pinned by loads or prefetches in flight"
             else:
                 why = "a concurrent call took the rest"
-            message = f"host tier has room for {fit} of {len(new)} blocks: {why}"
-            for i, e, _ in new[fit:]:
-                t.index.remove(e)
+            message = f"host tier has room for {fit} of {n} blocks: {why}"
+            life.rollback(entries[fit:])
+            for i in pos[fit:]:
                 results.set(i, StoreStatus.NOT_STORED, message=message)
-        complete = fit == len(new)
-        new = new[:fit]
-        if not new or offsets is None:
-            return complete
-        sums = await self._copy(s.memory.gather_into, [b for _, _, b in new], t.host.arena, offsets,
-                                on_abandon=lambda: t.host.free(offsets, size))
-        entries = [e for _, e, _ in new]
-        for e, c in zip(entries, sums):
-            e.checksum = c
-            e.ready = True
-            e.pins -= 1
-        t.host.add(entries, offsets)
-        self.stats.bump(s.namespace, "stores", len(entries))
+        if not fit or offsets is None:
+            return fit == n
+        placed = entries[:fit]
+        life.place(placed, offsets)
+        sums = await self._copy(s.memory.gather_into, bids[:fit], t.host.arena, offsets,
+                                on_fail=lambda: life.rollback(placed, copy_running=True),
+                                on_abandon=lambda: life.release_aborted(placed))
+        life.commit(placed, sums)
+        self.stats.bump(s.namespace, "stores", fit)
         status = results.status
         if not ttl:
-            for i, _, _ in new:
+            for i in pos[:fit]:
                 status[i] = StoreStatus.STORED
-            return complete
-        for i, e, _ in new:
-            await self._retain_one(e, ttl, now, StoreStatus.STORED, results, i)
-        return complete
+            return fit == n
+        for i, e in zip(pos, placed):
+            self._retain_one(e, ttl, now, StoreStatus.STORED, results, i)  # new: nothing on disk to persist
+        return fit == n
 
-    async def _copy(self, fn, *args, on_abandon=None):
-        """Run one copy job on the copy pool. If the caller is cancelled (or the job fails) the job
-        still runs to its end in its thread: on_abandon runs only then, so memory the job touches
-        (slots, pins) is never handed to anyone while the copy is on it."""
+    async def _copy(self, fn, *args, on_fail=None, on_abandon=None):
+        """Run one copy job on the copy pool. If the caller is cancelled (or the job fails), on_fail
+        runs at once and the job still runs to its end in its thread: on_abandon runs only then, so
+        memory the job touches (slots, pins) is never handed to anyone while the copy is on it."""
         fut = asyncio.get_running_loop().run_in_executor(self._copy_pool, fn, *args)
         try:
             return await asyncio.shield(fut)
         except BaseException:
+            if on_fail is not None:
+                on_fail()
             if on_abandon is not None:
                 if fut.done():
                     on_abandon()
@@ -415,19 +407,19 @@ class BlockCache:
                     fut.add_done_callback(lambda _: on_abandon())
             raise
 
-    async def _retain_one(self, e: Entry, ttl: float, now: float, status: StoreStatus, results: StoreResults,
-                          i: int) -> None:
-        """Extend e's retention to now + ttl (ttl > 0) and record the outcome as results[i]."""
+    def _retain_one(self, e: Entry, ttl: float, now: float, status: StoreStatus, results: StoreResults,
+                    i: int) -> bool:
+        """Extend e's retention to now + ttl (ttl > 0) and record the outcome as results[i]. True
+        when the new deadline must be written to e's disk copy (await Tiers.persist_deadline)."""
         deadline = self._t.retention.extend(e, ttl, now)
         if deadline is None:
             self.stats.bump(e.namespace, "retain_cap_refusals")
             results.set(i, StoreStatus.STORED_NOT_RETAINED if status == StoreStatus.STORED else status,
                         message="retained-bytes cap of the namespace reached; stored without retention")
-            return
+            return False
         self._t.mark_retained(e)
-        if e.disk == DiskState.ON_DISK:
-            await self._t.persist_deadline(e)
         results.set(i, status, deadline)
+        return e.disk == DiskState.ON_DISK
 
     async def load(self, session_id: SessionId, hashes: bytes | Sequence[bytes], block_ids: Sequence[int],
                    namespace_id: str = "") -> LoadResults:
@@ -437,97 +429,107 @@ class BlockCache:
         hs = self._hashes(hashes)
         ids = self._block_ids(s, len(hs), block_ids)
         t = self._t
+        life = t.life
         results = LoadResults(len(hs))
-        blocks = t.index.namespace(s.namespace)
-        found: list[tuple[int, int, Entry]] = []  # (position, engine block id, entry)
-        misses = 0
+        get = t.index.namespace(s.namespace).get
+        on_disk_state = DiskState.ON_DISK
+        pos: list[int] = []  # positions found
+        found: list[Entry] = []
+        missing: list[int] = []
         for i, h in enumerate(hs):
-            e = blocks.get(h)
-            if e is None or not e.ready or (e.slot < 0 and e.disk != DiskState.ON_DISK):
-                results.status[i] = LoadStatus.MISSING
-                misses += 1
+            e = get(h)
+            if e is None or not e.ready or (e.slot < 0 and e.disk != on_disk_state):
+                missing.append(i)
                 continue
-            e.pins += 1
-            found.append((i, ids[i], e))
-        if misses:
-            self.stats.bump(s.namespace, "load_misses", misses)
-        pinned = [e for _, _, e in found]
+            pos.append(i)
+            found.append(e)
+        if missing:
+            status = results.status
+            for i in missing:
+                status[i] = LoadStatus.MISSING
+            self.stats.bump(s.namespace, "load_misses", len(missing))
+        life.pin(found)
         handed_over = False  # once the scatter runs, its thread drops the pins when it is done
         try:
-            host_ids, host_slots, srcs, ids, served = await self._collect_bytes(s, found, results)
+            host_ids, host_slots, srcs, disk_ids, served, tiers_of, disk_loads = await self._collect_bytes(
+                s, pos, [ids[i] for i in pos], found, results)
             if host_ids or srcs:
                 handed_over = True
-                await self._copy(_scatter, s.memory, t.host.arena, host_ids, host_slots, ids, srcs,
-                                 on_abandon=lambda: t.host.unpin(pinned))
+                await self._copy(_scatter, s.memory, t.host.arena, host_ids, host_slots, disk_ids, srcs,
+                                 on_abandon=lambda: life.unpin(found))
             status, tiers = results.status, results.tier
-            host_loads = disk_loads = 0
-            for (i, _, e), tier in served:
-                e.reuse += 1
-                if tier == Tier.HOST:
-                    host_loads += 1
-                else:
-                    disk_loads += 1
-                if e.lease_owner == s.id and e.key in self._leases:
-                    self._end_lease(e.key, used=True)
-                status[i] = LoadStatus.LOADED
-                tiers[i] = tier
-            if host_loads:
-                self.stats.bump(s.namespace, "loads_host", host_loads)
+            loaded = int(LoadStatus.LOADED)
+            for k in served:
+                i = pos[k]
+                status[i] = loaded
+                tiers[i] = tiers_of[k]
+            chain = [found[k] for k in served] if len(served) < len(found) else found
+            life.loaded(s.id, chain)
+            if len(served) - disk_loads:
+                self.stats.bump(s.namespace, "loads_host", len(served) - disk_loads)
             if disk_loads:
                 self.stats.bump(s.namespace, "loads_disk", disk_loads)
-            chain = [e for (_, _, e), _ in served]
             t.host.touch(chain)
             if t.disk is not None:
                 t.disk.touch(chain)
-            t.host.unpin(pinned)
+            life.unpin(found)
         except BaseException:
             if not handed_over:
-                t.host.unpin(pinned)
+                life.unpin(found)
             raise
         self._load_latency.observe(time.perf_counter() - t0)
         _fail_unanswered(results, LoadStatus.FAILED)
         return results
 
-    async def _collect_bytes(self, s: Session, found: list[tuple[int, int, Entry]], results: LoadResults):
+    async def _collect_bytes(self, s: Session, pos: list[int], bids: list[int], found: list[Entry],
+                             results: LoadResults):
         """Where the found blocks' bytes come from: host slots (engine ids + slot offsets, copied
         with one scatter_from per batch, no per-block tensor), and disk blocks read (and verified) as
         one batch, landing in host slots that become their host copy where the host tier has room
-        (engine ids + buffers). `served`: (item, tier) in request order."""
+        (engine ids + buffers). `served`: the indexes into found that are served, in request order;
+        `tiers_of[k]`: the tier found[k] is served from."""
         t = self._t
+        host = int(Tier.HOST)
         # slots are pinned by the caller: a spill that finishes meanwhile leaves them in place
-        on_disk = [e for _, _, e in found if e.slot < 0]
-        reads = await t.read_batch(on_disk, s.memory.alloc_host, s.block_bytes) if on_disk else []
-        read_of = {id(e): r for e, r in zip(on_disk, reads)}
+        on_disk = [k for k, e in enumerate(found) if e.slot < 0]
+        if not on_disk:  # all host hits: one scatter_from of their slots
+            return bids, [e.slot for e in found], [], [], range(len(found)), [host] * len(found), 0
+        disk_entries = [found[k] for k in on_disk]
+        reads = await t.read_batch(disk_entries, s.memory.alloc_host, s.block_bytes)
+        read_of = dict(zip(on_disk, reads))
         host_ids: list[int] = []
         host_slots: list[int] = []
         srcs: list[torch.Tensor] = []
         ids: list[int] = []
-        served: list[tuple[tuple[int, int, Entry], Tier]] = []
-        for item in found:
-            i, b, e = item
-            r = read_of.get(id(e)) if read_of else None
+        served: list[int] = []
+        disk_loads = 0
+        tiers_of = [host] * len(found)
+        for k, e in enumerate(found):
+            r = read_of.get(k)
             if r is None:
-                host_ids.append(b)
+                host_ids.append(bids[k])
                 host_slots.append(e.slot)
-                served.append((item, Tier.HOST))
+                served.append(k)
                 continue
             r, onboarded = r
+            tiers_of[k] = int(Tier.DISK)
             if isinstance(r, BaseException):
                 if not isinstance(r, (BlockIOError, OSError)):
                     raise r
                 self.stats.bump(s.namespace, "load_failures")
-                results.set(i, LoadStatus.FAILED, Tier.DISK, message=f"disk block discarded: {r}")
+                results.set(pos[k], LoadStatus.FAILED, Tier.DISK, message=f"disk block discarded: {r}")
                 continue
-            served.append((item, Tier.DISK))
+            served.append(k)
+            disk_loads += 1
             if onboarded:  # read straight into its host slot: copied with the host hits, one job
-                host_ids.append(b)
+                host_ids.append(bids[k])
                 host_slots.append(e.slot)
                 continue
             if not t.onboard(e, r):  # no free or clean slot was left: onboarded after the reply
                 self._later(t.onboard_evicting(e, r))
             srcs.append(r)
-            ids.append(b)
-        return host_ids, host_slots, srcs, ids, served
+            ids.append(bids[k])
+        return host_ids, host_slots, srcs, ids, served, tiers_of, disk_loads
 
     async def prefetch(self, session_id: SessionId, hashes: bytes | Sequence[bytes],
                        namespace_id: str = "") -> list[PrefetchResult]:
@@ -539,33 +541,39 @@ class BlockCache:
         s = self._session(session_id, namespace_id)
         hashes = self._hashes(hashes)
         t = self._t
+        life = t.life
         now = self.clock.now()
+        seconds = self.config.pin_lease_seconds
         out: list[PrefetchResult] = []
-        blocks = t.index.namespace(s.namespace)
+        get = t.index.namespace(s.namespace).get
         to_read: list[tuple[int, Entry]] = []
-        self._end_expired_leases(now)  # ran out, not reaped yet: no longer count
-        budget = min(self._lease_cap() - self._leased_bytes.get(s.id, 0), self._total_lease_cap() - self._leased_total)
+        life.end_expired_leases(now)  # ran out, not reaped yet: no longer count
+        budget = min(self._lease_cap() - life.leases.owned_bytes(s.id),
+                     self._total_lease_cap() - life.leases.total_bytes)
+        not_found = PrefetchResult(PrefetchStatus.NOT_FOUND)
+        in_host = PrefetchResult(PrefetchStatus.ALREADY_IN_HOST)
         for h in hashes:
-            e = blocks.get(h)
+            e = get(h)
             if e is None or not e.ready or e.tier == Tier.NONE:
-                out.append(PrefetchResult(PrefetchStatus.NOT_FOUND))
+                out.append(not_found)
             elif e.in_memory:
                 if e.lease_until <= now:  # a running lease (this session's or another's) is not renewed
                     if e.size > budget:
                         out.append(self._over_cap(s))
                         continue
-                    budget -= self._lease(s, e, now, staged=False)
-                out.append(PrefetchResult(PrefetchStatus.ALREADY_IN_HOST))
+                    budget -= life.lease(s.id, e, now, seconds, staged=False)
+                out.append(in_host)
             elif e.size > budget:
                 out.append(self._over_cap(s))
             else:
                 budget -= e.size
-                e.pins += 1
                 to_read.append((len(out), e))
                 out.append(PrefetchResult(PrefetchStatus.STAGED))
+        reading = [e for _, e in to_read]
+        life.pin(reading)
         try:
             # one coalesced read, straight into host slots where there is room (no copy on the loop)
-            reads = await t.read_batch([e for _, e in to_read], s.memory.alloc_host, s.block_bytes) if to_read else []
+            reads = await t.read_batch(reading, s.memory.alloc_host, s.block_bytes) if to_read else []
             for (pos, e), (r, onboarded) in zip(to_read, reads):
                 if isinstance(r, BaseException):
                     out[pos] = PrefetchResult(PrefetchStatus.FAILED, f"disk read failed, block discarded: {r}")
@@ -574,11 +582,11 @@ class BlockCache:
                     out[pos] = PrefetchResult(PrefetchStatus.FAILED,
                                               "no room in the host tier: it is pinned by loads and prefetches")
                     continue
-                if e.lease_until <= now:
-                    self._lease(s, e, now, staged=True)
+                if e.lease_until <= now and self._sessions.find(s.id) is s:  # its session may have closed meanwhile
+                    life.lease(s.id, e, now, seconds, staged=True)
                 self.stats.bump(s.namespace, "prefetch_staged")
         finally:
-            t.host.unpin([e for _, e in to_read])
+            life.unpin(reading)
         return out
 
     def _lease_cap(self) -> int:
@@ -587,17 +595,9 @@ class BlockCache:
     def _total_lease_cap(self) -> int:
         return int(self.config.prefetch_total_share * self._t.host.capacity_bytes)
 
-    def _end_expired_leases(self, now: float) -> None:
-        """End the leases that ran out (the reaper, and a prefetch before it counts the caps)."""
-        heap = self._lease_expiry
-        while heap and heap[0][0] <= now:
-            _, _, key = heapq.heappop(heap)
-            held = self._leases.get(key)
-            if held is not None and held[0].lease_until <= now:  # not ended early, not leased again since
-                self._end_lease(key, used=False)
-
     def _over_cap(self, s: Session) -> PrefetchResult:
-        mine, total = self._leased_bytes.get(s.id, 0), self._leased_total
+        book = self._t.life.leases
+        mine, total = book.owned_bytes(s.id), book.total_bytes
         if self._lease_cap() - mine <= self._total_lease_cap() - total:
             why = (f"this session's prefetch leases hold {mine} bytes; its cap is "
                    f"{self._lease_cap()} (prefetch_share {self.config.prefetch_share:g} of the host tier)")
@@ -612,21 +612,6 @@ class BlockCache:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _lease(self, s: Session, e: Entry, now: float, staged: bool) -> int:
-        """Pin e for one lease, owned by s; returns the bytes it adds to s's leases. Only for a
-        block whose lease is not running (an ended one not yet reaped is ended first)."""
-        if e.key in self._leases:
-            self._end_lease(e.key, used=False)
-        e.lease_until = now + self.config.pin_lease_seconds
-        e.lease_owner = s.id
-        self._leases[e.key] = (e, staged)
-        self._leased_total += e.size
-        self._lease_seq += 1
-        heapq.heappush(self._lease_expiry, (e.lease_until, self._lease_seq, e.key))
-        self._leased_bytes[s.id] = self._leased_bytes.get(s.id, 0) + e.size
-        s.leased.add(e.key)
-        return e.size
-
     async def retain(self, session_id: SessionId, hashes: bytes | Sequence[bytes], ttl_seconds: float,
                      namespace_id: str = "") -> list[float]:
         """Extend the retention of stored blocks; the new deadline per hash, 0.0 when not stored or
@@ -636,19 +621,23 @@ class BlockCache:
         t = self._t
         ttl = t.retention.clamp_ttl(ttl_seconds)
         now = self.clock.now()
-        blocks = t.index.namespace(s.namespace)
+        get = t.index.namespace(s.namespace).get
         out: list[float] = [0.0] * len(hashes)
         results = StoreResults(1)
+        persist: list[Entry] = []
         for k, h in enumerate(hashes):
-            e = blocks.get(h)
+            e = get(h)
             if e is None or not e.ready or e.tier == Tier.NONE:
                 continue
             if not ttl:
                 out[k] = e.deadline if e.deadline > now else 0.0
                 continue
             results.messages.clear()
-            await self._retain_one(e, ttl, now, StoreStatus.ALREADY_STORED, results, 0)
+            if self._retain_one(e, ttl, now, StoreStatus.ALREADY_STORED, results, 0):
+                persist.append(e)
             out[k] = 0.0 if results.messages else e.deadline
+        for e in persist:
+            await t.persist_deadline(e)
         return out
 
     # --- admin
@@ -693,8 +682,9 @@ class BlockCache:
 
     def sessions(self) -> list[SessionInfo]:
         now = self.clock.now()
+        leases = self._t.life.leases
         return [SessionInfo(s.label, s.namespace, s.client_name, s.pool.kind, s.pool.num_blocks, s.opened_at,
-                            max(0.0, s.lease_until - now), len(s.leased), s.peer.uid, s.peer.pid)
+                            max(0.0, s.lease_until - now), leases.count(s.id), s.peer.uid, s.peer.pid)
                 for s in self._sessions.all()]
 
     def namespace_stats(self) -> list[dict]:
@@ -758,37 +748,15 @@ class BlockCache:
                     write_queue_high_water=t.writes.high_water, write_queue_capacity=t.writes.capacity,
                     read_queue_depth=t.reads_in_flight)
 
-    def audit(self) -> list[str]:
-        """What is inconsistent right now, in words (empty: nothing). Call it when no call is in
-        flight: then no entry is half-made, nothing is pinned, and each tier's room is the sum of
-        the blocks it holds. Tests and the property machine check it after every step."""
+    def audit(self, idle: bool = True) -> list[str]:
+        """What is inconsistent right now, in words (empty: nothing): lifecycle.Lifecycle.audit's
+        invariants, and the disk tier's room. idle: no call is in flight, so nothing may be
+        half-made or pinned either; idle=False checks what holds at every await point (the host
+        room and lease books). Tests and the property machine check it after every step."""
         t = self._t
-        problems: list[str] = []
-        entries = list(t.index.values())
-        half = [e for e in entries if not e.ready]
-        if half:
-            problems.append(f"{len(half)} entries reserved but never committed")
-        pinned = [e for e in entries if e.pins]
-        if pinned:
-            problems.append(f"{len(pinned)} entries still pinned by copies or reads")
-        owners = {s.id for s in self._sessions.all()}
-        orphans = [k for k, (e, _) in self._leases.items() if e.lease_owner not in owners]
-        if orphans:
-            problems.append(f"{len(orphans)} prefetch leases held by no open session")
-        leased = sum(e.size for e, _ in self._leases.values())
-        if leased != self._leased_total or leased != sum(self._leased_bytes.values()):
-            problems.append(f"prefetch leases account {self._leased_total} bytes, they hold {leased}")
-        host = sum(e.size for e in entries if e.host_buf is not None)
-        if host != t.host.used_bytes:
-            problems.append(f"host tier accounts {t.host.used_bytes} bytes, its blocks hold {host}")
-        staged = sum(e.size for e in entries if e.staged)
-        if staged != t.host.staged_bytes or staged > t.host.staging_bytes:
-            problems.append(f"spill staging accounts {t.host.staged_bytes} bytes, its spills hold {staged}")
-        slots = sum(e.size for e in entries if e.slot >= 0)
-        if self.arena is not None and slots != self.arena.used_bytes:
-            problems.append(f"arena has {self.arena.used_bytes} bytes of slots taken, blocks hold {slots}")
-        if t.disk is not None:
-            disk = sum(e.size for e in entries if e.disk != DiskState.NONE)
+        problems = t.life.audit({s.id for s in self._sessions.all()}, idle=idle)
+        if idle and t.disk is not None:
+            disk = sum(e.size for e in t.index.values() if e.disk != DiskState.NONE)
             if disk != t.disk.used_bytes:
                 problems.append(f"disk tier accounts {t.disk.used_bytes} bytes, its blocks hold {disk}")
         return problems

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import secrets
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvservice.memory.engine_memory import EngineMemory
 from kvservice.core.sessions_api import Peer, PoolSpec
-from kvservice.core.types import BlockKey, CacheError, ErrorCode, NamespaceId, SessionId
+from kvservice.core.types import CacheError, ErrorCode, NamespaceId, SessionId
 
 
 @dataclass(slots=True, eq=False)
@@ -31,8 +31,7 @@ class Session:
     peer: Peer
     canary: bytes  # what this session's engine hashes the canary to (fixes the namespace's once it stores)
     opened_at: float
-    lease_until: float
-    leased: set[BlockKey] = field(default_factory=set)  # prefetch leases it holds
+    lease_until: float  # its prefetch leases are in lifecycle.LeaseBook, by session id
 
     @property
     def block_bytes(self) -> int:

@@ -30,6 +30,7 @@ from kvservice.disk.tier_io import BlockWrite, DiskFault, TierIO, remove_v1_bloc
 from kvservice.disk.disk_tier import DiskTier
 from kvservice.placement.eviction import Victim, admission_gate, plan_disk_eviction
 from kvservice.memory.host_tier import HostTier
+from kvservice.core.lifecycle import Lifecycle
 from kvservice.placement.index import BlockIndex, DiskState, Entry
 from kvservice.disk.io_backend import BlockIO, BlockIOError
 from kvservice.memory.host_arena import HostArena
@@ -55,6 +56,7 @@ class Tiers:
         self.segments: TierIO | None = None  # disk tier v2 (disk_format "segments"), opened by recover()
         self._writing: set[int] = set()  # segment slots with a write in flight
         self.retention = Retention(config.max_ttl_seconds, config.retained_cap_bytes)
+        self.life = Lifecycle(self.index, self.host, self.retention, stats)  # every block state change
         self.gate = admission_gate(config)
         self.reader_pool = ThreadPoolExecutor(config.reader_threads, thread_name_prefix="kv-read")
         self.writer_pool = ThreadPoolExecutor(config.writer_threads, thread_name_prefix="kv-write")
@@ -226,7 +228,7 @@ class Tiers:
         victims = victims[:k]
         # retained victims claim disk room before best-effort ones
         victims.sort(key=lambda e: not e.retained(now))
-        spills = [v for v in victims if self._evict_from_host(v, now)]
+        spills = self._evict_victims(victims, now)
         return fit, spills
 
     def room_after(self, spills: list[Entry], now: float, block_bytes: int = 0, fit: int = 0) -> asyncio.Future | None:
@@ -325,7 +327,7 @@ class Tiers:
         slot stays until the write ends), False when its slot went back at once."""
         self.stats.bump(e.namespace, "host_evictions")
         if e.disk != DiskState.NONE:
-            self.host.evict(e, keep_slot=False)  # a disk copy exists or is being written
+            self.life.evict(e, keep_slot=False)  # a disk copy exists or is being written
             return False
         if self.disk is None:
             self.stats.bump(e.namespace, "drops_no_disk")
@@ -345,11 +347,45 @@ class Tiers:
         if not self._reserve_slot(e, now):
             self._drop(e)
             return False
-        self.host.evict(e, keep_slot=True)
+        self.life.evict(e, keep_slot=True)
         return True
 
+    def _evict_victims(self, victims: list[Entry], now: float) -> list[Entry]:
+        """_evict_from_host for each victim, in one pass: the ones with a disk copy and the ones
+        dropped (no disk tier, or the gate says no) leave the host tier as one batch first (a disk
+        plan of the rest may then forget a released one); the rest are planned one by one."""
+        release: list[Entry] = []
+        drop: list[Entry] = []
+        rest: list[Entry] = []
+        no_disk = self.disk is None
+        for e in victims:
+            if e.disk != DiskState.NONE:
+                release.append(e)
+            elif no_disk or (not e.retained(now) and not self.gate(e, now)):
+                drop.append(e)
+            else:
+                rest.append(e)
+        if release or drop:
+            self._count_by_ns(release, "host_evictions")
+            self._count_by_ns(drop, "host_evictions")
+            self._count_by_ns(drop, "drops_no_disk" if no_disk else "drops_gate")
+            self.life.evict_many(release + drop)
+            for e in drop:
+                self.life.forget(e)
+        return [e for e in rest if self._evict_from_host(e, now)]
+
+    def _count_by_ns(self, entries: list[Entry], counter: str) -> None:
+        if not entries:
+            return
+        ns = entries[0].namespace
+        if all(e.namespace == ns for e in entries):
+            self.stats.bump(ns, counter, len(entries))
+            return
+        for e in entries:
+            self.stats.bump(e.namespace, counter)
+
     def _drop(self, e: Entry) -> None:
-        self.host.evict(e, keep_slot=False)
+        self.life.evict(e, keep_slot=False)
         self._forget(e)
 
     async def _submit_spill(self, e: Entry, now: float) -> None:
@@ -366,7 +402,7 @@ class Tiers:
         if offsets is None:
             return False
         self.host.arena.row(offsets[0], e.size).copy_(buf.view(torch.uint8).reshape(-1))
-        self.host.add([e], offsets)
+        self.life.add([e], offsets)
         self.stats.bump(e.namespace, "disk_onboards")
         return True
 
@@ -408,17 +444,17 @@ class Tiers:
             return await self._write_segments([e])
         meta = self._meta(e)
         loop = asyncio.get_running_loop()
-        e.pins += 1  # the slot is read by the writer thread: it must not be freed or reused meanwhile
+        self.life.pin([e])  # the slot is read by the writer thread: it must not be freed or reused meanwhile
         try:
             path = await loop.run_in_executor(
                 self.writer_pool, block_file.write_block, self.io, self.disk.root, meta, self.host.row(e))
         except (OSError, BlockIOError, ValueError) as err:
             log.warning("spill of %s failed: %s", e.key.hash.hex()[:16], err)
             self.stats.bump(e.namespace, "io_errors")
-            self.host.unpin([e])
+            self.life.unpin([e])
             self._abandon_spill(e)
             return
-        self.host.unpin([e])
+        self.life.unpin([e])
         if self.index.get_any(e.key) is not e or e.disk != DiskState.QUEUED:  # evicted while it was written
             self.io.remove(path)
             self._abandon_spill(e)
@@ -427,7 +463,7 @@ class Tiers:
         e.disk_deadline = meta.deadline
         self.disk.commit(e)
         if e.spilling:
-            self.host.release(e)
+            self.life.release(e)
         self.stats.bump(e.namespace, "spills")
         if e.deadline != e.disk_deadline:
             await self.persist_deadline(e)
@@ -440,8 +476,7 @@ class Tiers:
         locs = [e.disk_loc for e in batch]
         blocks = [BlockWrite(e.namespace, e.key.hash, e.checksum, e.deadline, e.stored_at, e.reuse) for e in batch]
         self._writing.update(locs)
-        for e in batch:
-            e.pins += 1  # the store reads the block's host slot: it must not be freed or reused meanwhile
+        self.life.pin(batch)  # the store reads the blocks' host slots: they must not be freed or reused meanwhile
         bufs = self.host.rows(batch)
         job = self.segments.write_many(locs, blocks, bufs)
         settled = asyncio.get_running_loop().create_future()
@@ -453,7 +488,7 @@ class Tiers:
             faults = j.result() if err is None else [
                 DiskFault(FaultKind.IO_ERROR, f"spill failed: {err!r}")] * len(batch)
             self._writing.difference_update(locs)
-            self.host.unpin(batch)
+            self.life.unpin(batch)
             for e, loc, block, fault in zip(batch, locs, blocks, faults):
                 self._settle_spill(e, loc, block, fault)
             if not settled.done():
@@ -479,7 +514,7 @@ class Tiers:
         e.disk_deadline = block.deadline
         self.disk.commit(e)
         if e.spilling:
-            self.host.release(e)
+            self.life.release(e)
         self.stats.bump(e.namespace, "spills")
         if e.deadline != e.disk_deadline:  # a metadata update, committed in the background
             self.segments.set_deadline(loc, e.deadline)
@@ -490,7 +525,7 @@ class Tiers:
         still holds its slot: no copy), instead of vanishing; anything else is dropped as before."""
         if e.spilling and e.retained(self.now()) and self.index.get_any(e.key) is e:
             self.disk.unreserve(e)
-            if self.host.restore(e):
+            if self.life.restore(e):
                 return
             log.error("retained block %s lost: its spill failed and the host tier has no room for it",
                       e.key.hash.hex()[:16])
@@ -506,7 +541,7 @@ class Tiers:
                 e.disk_loc = -1
         self.disk.unreserve(e)
         if e.spilling or not e.in_memory or e.release_pending:
-            self.host.release(e)
+            self.life.release(e)
             if e.disk == DiskState.NONE:
                 self._forget(e)
 
@@ -626,8 +661,7 @@ class Tiers:
                 for i in own:
                     outs[i] = room[at:at + entries[i].size]
                     at += entries[i].size
-        for e in entries:
-            e.pins += 1  # until the read is done, also if the caller is cancelled
+        self.life.pin(entries)  # until the read is done, also if the caller is cancelled
         self.reads_in_flight += n
         job = self.segments.read_many([e.disk_loc for e in entries], outs)
         settled: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -645,7 +679,7 @@ class Tiers:
                 elif off is None:
                     out.append((buf, False))
                 elif self.index.get_any(e.key) is e and not e.in_memory:
-                    self.host.add([e], [off])  # the slot read into is the host copy
+                    self.life.add([e], [off])  # the slot read into is the host copy
                     self.stats.bump(e.namespace, "disk_onboards")
                     out.append((buf, True))
                 elif e.in_memory:  # another call put it back in memory meanwhile: serve that copy
@@ -655,7 +689,7 @@ class Tiers:
                     own_copy = buf.clone()
                     self.host.free([off], e.size)
                     out.append((own_copy, False))
-            self.host.unpin(entries)
+            self.life.unpin(entries)
             if not settled.done():
                 settled.set_result(out)
 
@@ -705,14 +739,13 @@ class Tiers:
     def remove(self, e: Entry) -> None:
         """Forget e everywhere (admin evict, discard). A queued spill is cancelled; a write
         already in progress removes its file when it finishes."""
-        self.host.release(e)
+        self.life.release(e)
         if e.disk != DiskState.NONE:
             self._drop_disk_copy(e)
         self._forget(e)
 
     def _forget(self, e: Entry) -> None:
-        self.retention.forget(e)
-        self.index.remove(e)
+        self.life.forget(e)
 
     def _meta(self, e: Entry) -> block_file.BlockMeta:
         return block_file.BlockMeta(namespace=e.namespace, hash=e.key.hash, payload_len=e.size, checksum=e.checksum,

@@ -1,25 +1,22 @@
-"""Host tier: blocks in slots of the host arena, LRU ordered.
+"""Host tier: the room and order books of the blocks in host arena slots.
 
-Primitives:
+Primitives (bookkeeping only; a block changes state through kvservice.core.lifecycle, which
+updates these books):
   placeable(block_bytes) -> n          blocks of that size the arena can take now without evicting
-  alloc(block_bytes, n) -> offsets     take free slots for a Store's copy (None: they do not fit)
-  free(offsets, block_bytes)           give back slots a Store took and never committed
-  add(chain, offsets)                  commit entries (head first) into the slots they were copied to
-  touch(chain)                         refresh LRU order on a hit
+  alloc(block_bytes, n) -> offsets     take free slots (a Store's reservation, a disk read); None: no room
+  free(offsets, block_bytes)           give back slots taken that no block came to hold
+  lru_touch(chain) / lru_discard(e)    LRU order of the resident blocks (head of a chain newest)
+  touch(chain)                         refresh the LRU order of those resident (a hit)
   entries_oldest_first()               LRU order, for the eviction plan (tiers.Tiers)
-  evict(entry, keep_slot)              out of the LRU; the slot goes now, or (keep_slot) stays until
-                                       the block's spill is written (release)
-  restore(entry)                       a victim whose spill failed goes back into the LRU, slot and all
-  release(entry)                       the slot goes back to the arena (once no copy pins it)
-  unpin(entries)                       a copy or read is done with them (a deferred release happens)
   freed(entries) -> future | None      resolves when their bytes are off the tier's capacity (slot
                                        freed, or moved to the staging budget): the room a Store waits for
-used_bytes is the bytes of slots blocks hold in the tier (in the LRU, or being copied in), at most
-capacity_bytes. A victim being spilled keeps its slot until the write ends: its bytes move to the
-spill staging budget (staging_bytes, part of the arena beside the tier's capacity), so the Store
-that evicted it need not wait for the disk; a victim that finds the staging budget full keeps
-its bytes in used_bytes, and the Store waits for its write (freed()). Which entries are victims, and
-whether a victim spills to disk or is dropped, is decided in tiers.Tiers with eviction's policies.
+  row(entry) / rows(entries)           uint8 views of slots
+used_bytes is the bytes of slots on the tier's capacity (resident blocks, reserved and rolled-back
+Stores' slots, reads landing in slots), at most capacity_bytes. A victim being spilled keeps its
+slot until the write ends (`spilling`): its bytes move to the spill staging budget (staging_bytes,
+part of the arena beside the tier's capacity) when it has room, so the Store that evicted it need
+not wait for the disk; a victim that finds the staging budget full keeps its bytes in used_bytes,
+and the Store waits for its write (freed()).
 """
 
 from __future__ import annotations
@@ -43,9 +40,10 @@ class HostTier:
         self.staging_bytes = arena.capacity_bytes - capacity_bytes
         self.used_bytes = 0
         self.staged_bytes = 0  # bytes of victims whose spill is queued or being written, on the staging budget
+        self.loose_bytes = 0  # of used_bytes: slots alloc() took that no block holds yet (disk reads in flight)
         self._lru = ChainLRU()
-        self._spilling: dict[int, Entry] = {}  # evicted, slot held until the spill is written; by id()
-        self._waiters: dict[int, asyncio.Future[None]] = {}  # id(entry) -> resolved when its slot is free
+        self.spilling: dict[int, Entry] = {}  # evicted, slot held until the spill is written; by id(), oldest first
+        self.waiters: dict[int, asyncio.Future[None]] = {}  # id(entry) -> resolved when its slot is off the tier
 
     @property
     def free_bytes(self) -> int:
@@ -58,10 +56,10 @@ class HostTier:
         """Every block on the tier's capacity: the LRU, then victims whose spill is being written
         that found the staging budget full (staged ones count on the staging budget instead)."""
         yield from self._lru.values()
-        yield from (e for e in self._spilling.values() if not e.staged)
+        yield from (e for e in self.spilling.values() if not e.staged)
 
     def holders(self) -> int:
-        return len(self._lru) + len(self._spilling)
+        return len(self._lru) + len(self.spilling)
 
     def entries_oldest_first(self):
         return self._lru.oldest_first()
@@ -76,83 +74,30 @@ class HostTier:
         offsets = self.arena.alloc(block_bytes, n)
         if offsets is not None:
             self.used_bytes += n * block_bytes
+            self.loose_bytes += n * block_bytes
         return offsets
 
     def free(self, offsets: Sequence[int], block_bytes: int) -> None:
+        """Give back slots alloc() took that no block came to hold."""
         self.arena.free(offsets, block_bytes)
         self.used_bytes -= len(offsets) * block_bytes
+        self.loose_bytes -= len(offsets) * block_bytes
 
-    def add(self, chain: Sequence[Entry], offsets: Sequence[int]) -> None:
-        for e, off in zip(chain, offsets):
-            assert e.slot < 0
-            e.slot = off
+    def held(self, nbytes: int) -> None:
+        """Slots alloc() took now belong to blocks (lifecycle: place, add)."""
+        self.loose_bytes -= nbytes
+
+    def lru_touch(self, chain: Sequence[Entry]) -> None:
         self._lru.touch(chain)
 
+    def lru_discard(self, entry: Entry) -> None:
+        self._lru.discard(entry)
+
     def touch(self, chain: Sequence[Entry]) -> None:
-        self._lru.touch([e for e in chain if e in self._lru])
+        self._lru.touch_present(chain)
 
-    def evict(self, entry: Entry, keep_slot: bool) -> None:
-        self._lru.discard(entry)
-        if keep_slot:
-            entry.spilling = True
-            self._spilling[id(entry)] = entry
-            if self.staged_bytes + entry.size <= self.staging_bytes:
-                entry.staged = True  # off the tier's capacity now; the slot itself goes after the write
-                self.staged_bytes += entry.size
-                self.used_bytes -= entry.size
-        else:
-            self.release(entry)
-
-    def restore(self, entry: Entry) -> bool:
-        """A victim whose spill failed goes back into the LRU with the slot it kept (no copy), if
-        the tier has room for it again; False: it does not fit."""
-        if entry.staged:
-            if entry.size > self.free_bytes:
-                return False
-            self.staged_bytes -= entry.size
-            self.used_bytes += entry.size
-            entry.staged = False
-        self._spilling.pop(id(entry), None)
-        entry.spilling = False
-        self._lru.touch([entry])
-        return True
-
-    def release(self, entry: Entry) -> None:
-        """Free the entry's slot; deferred (release_pending) while a copy or read pins it."""
-        if entry.slot < 0:
-            return
-        self._lru.discard(entry)
-        self._spilling.pop(id(entry), None)
-        entry.spilling = False
-        if entry.pins:
-            entry.release_pending = True
-            return
-        self.arena.free([entry.slot], entry.size)
-        if entry.staged:
-            self.staged_bytes -= entry.size
-            entry.staged = False
-        else:
-            self.used_bytes -= entry.size
-        entry.slot = -1
-        entry.release_pending = False
-        self._wake(entry)
-        self._promote()
-
-    def _promote(self) -> None:
-        """Victims still on the tier's capacity move to the staging budget as it frees up, oldest
-        first: the Stores waiting for their room go on without waiting for their writes."""
-        for e in list(self._spilling.values()):
-            if e.staged:
-                continue
-            if self.staged_bytes + e.size > self.staging_bytes:
-                return
-            e.staged = True
-            self.staged_bytes += e.size
-            self.used_bytes -= e.size
-            self._wake(e)
-
-    def _wake(self, entry: Entry) -> None:
-        w = self._waiters.pop(id(entry), None)
+    def wake(self, entry: Entry) -> None:
+        w = self.waiters.pop(id(entry), None)
         if w is not None and not w.done():
             w.set_result(None)
 
@@ -164,18 +109,11 @@ class HostTier:
         waits = []
         for e in entries:
             if e.slot >= 0 and (staged_too or not e.staged):
-                w = self._waiters.get(id(e))
+                w = self.waiters.get(id(e))
                 if w is None:
-                    w = self._waiters[id(e)] = loop.create_future()
+                    w = self.waiters[id(e)] = loop.create_future()
                 waits.append(w)
         return asyncio.gather(*waits) if waits else None
-
-    def unpin(self, entries: Sequence[Entry]) -> None:
-        """Drop one pin of each; a slot whose release waited for its last pin goes now."""
-        for e in entries:
-            e.pins -= 1
-            if e.pins == 0 and e.release_pending:
-                self.release(e)
 
     def row(self, entry: Entry) -> torch.Tensor:
         return self.arena.row(entry.slot, entry.size)

@@ -2,6 +2,7 @@
 
 Callers pass a batch in chain order (head first); `touch` makes the head the most recent,
 so when a whole chain ages out its last block goes first and the prefix survives longest.
+Keyed by the entry itself (identity hash: no key tuple hashed per block).
 """
 
 from __future__ import annotations
@@ -10,28 +11,39 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 
 from kvservice.placement.index import Entry
-from kvservice.core.types import BlockKey
 
 
 class ChainLRU:
     def __init__(self) -> None:
-        self._order: OrderedDict[BlockKey, Entry] = OrderedDict()
+        self._order: OrderedDict[Entry, Entry] = OrderedDict()
 
     def touch(self, chain: Sequence[Entry]) -> None:
         """Insert or refresh entries given head first; the head ends up most recent."""
+        order = self._order
+        move = order.move_to_end
         for e in reversed(chain):
-            self._order[e.key] = e
-            self._order.move_to_end(e.key)
+            if e in order:
+                move(e)
+            else:
+                order[e] = e
+
+    def touch_present(self, chain: Sequence[Entry]) -> None:
+        """Refresh those of the entries (head first) that are in the order; others are left out."""
+        order = self._order
+        move = order.move_to_end
+        for e in reversed(chain):
+            if e in order:
+                move(e)
 
     def append_newest(self, entries: Sequence[Entry]) -> None:
         """Add entries not yet in the order, oldest first, as the most recent (restart, in one pass)."""
-        self._order.update((e.key, e) for e in entries)
+        self._order.update((e, e) for e in entries)
 
     def discard(self, entry: Entry) -> None:
-        self._order.pop(entry.key, None)
+        self._order.pop(entry, None)
 
     def __contains__(self, entry: Entry) -> bool:
-        return entry.key in self._order
+        return entry in self._order
 
     def __len__(self) -> int:
         return len(self._order)

@@ -1,0 +1,142 @@
+"""The daemon core's own per-block cost: BlockCache + a shared-memory pool in one process (no gRPC),
+beside the bare copy it wraps, measured in the same run.
+
+    .venv/bin/python bench/core_overhead.py [--sizes 4096,65536] [--batches 1024,4096] [--rounds 7]
+
+For each block size and batch: Store of new hashes (the host tier holds 3 batches, so from the
+4th round on every Store also evicts a batch: dropped, no disk), Store of hashes already stored,
+Load of host hits, Lookup, and Prefetch of host blocks (lease taken). The limits beside them are
+the copies those calls make, run on the same pool, arena slots and block ids: gather_into (engine
+-> host slots, with the CRC32C of every block, which a Store must compute) and scatter_from
+(host slots -> engine). Prints us/block (best of `--rounds`) and the core's own cost = call - copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+from dataclasses import replace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kvservice.core.cache import BlockCache  # noqa: E402
+from kvservice.core.clock import FakeClock  # noqa: E402
+from kvservice.ops.config import Config  # noqa: E402
+from tests.corekit import CANARY, Pool, h, ns_spec  # noqa: E402
+
+
+def best(fn, rounds: int) -> float:
+    out = []
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        fn(r)
+        out.append(time.perf_counter() - t0)
+    return min(out)
+
+
+async def measure(block_bytes: int, batch: int, rounds: int, tmp: str) -> dict[str, float]:
+    cfg = replace(Config(), socket_path=os.path.join(tmp, "kv.sock"), host_capacity_bytes=3 * batch * block_bytes,
+                  disk_path="", disk_capacity_bytes=0, max_batch_blocks=max(8192, batch), io_backend="posix",
+                  prefetch_share=1.0, prefetch_total_share=1.0, pin_lease_seconds=1.0, lease_seconds=1e9)
+    clock = FakeClock()
+    cache = BlockCache(cfg, clock)
+    await cache.start()
+    pool = Pool(num_blocks=batch, block_bytes=block_bytes)
+    pool.shm.buf[:] = os.urandom(batch * block_bytes)
+    sid = cache.open_session(ns_spec(f"bench-{block_bytes}"), pool.spec, CANARY, "bench").session_id
+    mem = cache._sessions.get(sid).memory
+    ids = list(range(batch))
+    loop_time = {}
+    seq = [0]
+
+    def fresh() -> bytes:
+        seq[0] += 1
+        return b"".join(h(i, f"{seq[0]}") for i in range(batch))
+
+    async def timed(name: str, make, call, check=None) -> None:
+        times = []
+        for _ in range(rounds):
+            arg = make()
+            t0 = time.perf_counter()
+            res = await call(arg)
+            times.append(time.perf_counter() - t0)
+            if check is not None:
+                check(res)
+        loop_time[name] = min(times)
+
+    last: list[bytes] = [b""]
+
+    def new_batch() -> bytes:
+        last[0] = fresh()
+        return last[0]
+
+    def all_ok(code):
+        def check(res):
+            bad = [s for s in (res.status if hasattr(res, "status") else [r.status for r in res]) if s != code]
+            assert not bad, f"{len(bad)} blocks not {code}: {bad[:3]}"
+        return check
+
+    for _ in range(3):  # warm up: the arena's segments, the copy threads
+        await cache.store(sid, new_batch(), ids)
+    await timed("store", new_batch, lambda hs: cache.store(sid, hs, ids), all_ok(1))
+    await timed("store_hit", lambda: last[0], lambda hs: cache.store(sid, hs, ids), all_ok(2))
+    await timed("load", lambda: last[0], lambda hs: cache.load(sid, hs, ids), all_ok(1))
+
+    async def lookup(hs):
+        out = cache.lookup(sid, hs)
+        assert len(out) == batch
+        return out
+
+    await timed("lookup", lambda: last[0], lookup)
+
+    def next_prefetch() -> bytes:
+        clock.advance(2.0)  # the last round's leases ran out
+        cache.reap_sessions()
+        return last[0]
+
+    await timed("prefetch", next_prefetch, lambda hs: cache.prefetch(sid, hs), all_ok(2))
+    # the copies themselves, on the same slots and block ids
+    t = cache.tiers
+    d = t.index.namespace(cache._sessions.get(sid).namespace)
+    offsets = [d[last[0][i * 32:(i + 1) * 32]].slot for i in range(batch)]
+    arena = cache.arena
+    loop_time["gather_into"] = best(lambda r: mem.gather_into(ids, arena, offsets), rounds)
+    loop_time["scatter_from"] = best(lambda r: mem.scatter_from(ids, arena, offsets), rounds)
+    problems = cache.audit()
+    assert not problems, problems
+    await cache.close_session(sid)
+    await cache.drain_and_stop()
+    pool.close()
+    return loop_time
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="4096,65536")
+    p.add_argument("--batches", default="1024,4096")
+    p.add_argument("--rounds", type=int, default=7)
+    a = p.parse_args()
+    sizes = [int(x) for x in a.sizes.split(",")]
+    batches = [int(x) for x in a.batches.split(",")]
+    print("us per block, best of", a.rounds, "rounds; core = call - the copy it makes (measured in the same run)")
+    print()
+    print("| block | batch | gather_into | scatter_from | store | store core | store_hit | load | load core "
+          "| lookup | prefetch |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for bb in sizes:
+            for n in batches:
+                r = asyncio.run(measure(bb, n, a.rounds, tmp))
+                us = {k: v / n * 1e6 for k, v in r.items()}
+                print(f"| {bb // 1024} KiB | {n} | {us['gather_into']:.2f} | {us['scatter_from']:.2f} "
+                      f"| {us['store']:.2f} | {us['store'] - us['gather_into']:.2f} | {us['store_hit']:.2f} "
+                      f"| {us['load']:.2f} | {us['load'] - us['scatter_from']:.2f} | {us['lookup']:.2f} "
+                      f"| {us['prefetch']:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

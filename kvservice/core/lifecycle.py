@@ -1,0 +1,368 @@
+"""Block lifecycle: the states a block goes through, and the transitions between them, in one place.
+
+    (absent) ──reserve──> RESERVED ──place──> RESERVED+slot ──commit──> READY ──forget──> (absent)
+                              │                     │
+                              └───────rollback──────┴──> ABORTED ──last unpin──> (absent)
+    rollback: a Store cancelled at any await, a dead client, a failed copy, no room. An ABORTED entry is
+    out of the index at once (the hash can be stored again); its slot stays taken, on the host tier's
+    room, until the copy thread that writes into it is done (its pin), then goes back to the arena.
+
+  A READY block has two separate facts, a hold count and at most one lease:
+    host copy:  NONE ─add (Store commit, disk onboard)─> RESIDENT (in the host LRU)
+                RESIDENT ─evict(keep_slot)─> SPILLING (out of the LRU; slot kept until its spill is written;
+                    its bytes move to the spill staging budget as soon as it has room: `staged`)
+                RESIDENT ─evict / release─> NONE;  SPILLING ─release (written, abandoned)─> NONE
+                SPILLING ─restore (its spill failed, retained)─> RESIDENT
+                a release while pinned waits for the last unpin (release_pending)
+    disk copy:  NONE ─queue─> QUEUED ─commit─> ON_DISK ─release─> NONE;  QUEUED ─abandon / fail─> NONE
+                (kvservice.disk.disk_tier.DiskTier keeps those bytes and orders; tiers.Tiers runs the I/O)
+    pinned(n):  copies, disk reads and spill writes in flight that need the slot; each one unpins from its
+                own completion (a done callback or the copy thread's end), so a cancelled caller leaves none
+    leased:     one prefetch lease (owner session, until); ends at `until`, when its owner loads the block,
+                or when its owner's session closes. Never renewed by another prefetch while it runs.
+  An entry stays indexed while RESERVED, or READY with a host or a disk copy; with neither it is forgotten.
+
+Invariants (audit(), checked by tests/test_lifecycle_properties.py after every step, and the first
+two at every await point of a Store or Load):
+  - host tier used bytes == slots of RESERVED+slot, ABORTED and READY blocks whose bytes count on it
+    (not staged); staging bytes == slots of staged spills; arena slots taken == all of them
+  - a lease is owned by an open session; the lease bytes per session and in total add up
+  - when no call is in flight: nothing RESERVED or ABORTED, nothing pinned
+Who decides which block is a victim is tiers.Tiers with the pure policies of kvservice.placement;
+this module only moves blocks between states and keeps the counters they change.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+
+from kvservice.memory.host_tier import HostTier
+from kvservice.ops.stats import CounterSet
+from kvservice.placement.index import BlockIndex, DiskState, Entry
+from kvservice.placement.retention import Retention
+from kvservice.core.types import BlockKey, NamespaceId, SessionId
+
+
+_RESERVED_FIELDS = ("key", "size", "checksum", "stored_at", "deadline", "reuse", "slot", "spilling", "staged",
+                    "release_pending", "disk", "disk_path", "disk_loc", "disk_deadline", "pins", "lease_until",
+                    "lease_owner", "ready")
+assert tuple(Entry.__dataclass_fields__) == _RESERVED_FIELDS, "Lifecycle.reserve builds Entry positionally"
+
+
+class LeaseBook:
+    """Prefetch leases, kept incrementally: per-owner and total bytes, and a heap of expiries
+    (stale items skipped). Pure bookkeeping; `now` comes from the caller."""
+
+    def __init__(self) -> None:
+        self.entries: dict[int, tuple[Entry, bool]] = {}  # id(entry) -> (entry, staged from disk)
+        self.by_owner: dict[SessionId, dict[int, Entry]] = {}
+        self.bytes_by_owner: dict[SessionId, int] = {}
+        self.total_bytes = 0
+        self._expiry: list[tuple[float, int, Entry]] = []
+        self._seq = 0
+
+    def owned_bytes(self, owner: SessionId) -> int:
+        return self.bytes_by_owner.get(owner, 0)
+
+    def count(self, owner: SessionId) -> int:
+        return len(self.by_owner.get(owner, ()))
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+class Lifecycle:
+    """The one place where a block changes state. tiers.Tiers and cache.BlockCache call these
+    transitions; HostTier and DiskTier are the room and order books they update."""
+
+    def __init__(self, index: BlockIndex, host: HostTier, retention: Retention, stats: CounterSet) -> None:
+        self.index = index
+        self.host = host
+        self.retention = retention
+        self.stats = stats
+        self.leases = LeaseBook()
+        self.aborted: dict[int, Entry] = {}  # rolled back, slot held until the copy writing into it ends
+        self.releasing: dict[int, Entry] = {}  # released while pinned: the slot goes at the last unpin
+
+    # --- reservations (Store)
+    def reserve(self, blocks: dict[bytes, Entry], ns: NamespaceId, hashes: Sequence[bytes], size: int,
+                now: float) -> list[Entry]:
+        """New entries, not ready, in the namespace's dict `blocks` (a concurrent Store of the same
+        hash sees them); each holds one pin, the reserving call's, until commit or rollback."""
+        none = DiskState.NONE
+        # positional (keywords make a dataclass __init__ much slower): the fields in Entry's order
+        entries = [Entry(BlockKey(ns, h), size, 0, now, 0.0, 0, -1, False, False, False, none, "", -1, 0.0, 1, 0.0,
+                         "", False) for h in hashes]
+        blocks.update(zip(hashes, entries))
+        return entries
+
+    def place(self, entries: Sequence[Entry], offsets: Sequence[int]) -> None:
+        """Reserved entries get the slots host.alloc took for them (on the tier's room already)."""
+        for e, off in zip(entries, offsets):
+            e.slot = off
+        if entries:
+            self.host.held(len(offsets) * entries[0].size)
+
+    def commit(self, entries: Sequence[Entry], checksums: Sequence[int]) -> None:
+        """RESERVED+slot -> READY, RESIDENT: the copy into the slots is done. Head first."""
+        for e, c in zip(entries, checksums):
+            e.checksum = c
+            e.ready = True
+            e.pins = 0
+        self.host.lru_touch(entries)
+
+    def rollback(self, entries: Iterable[Entry], copy_running: bool = False) -> None:
+        """Every entry of `entries` still not ready leaves the index now. One with a slot whose copy
+        is still running (copy_running) is ABORTED: its slot goes at release_aborted(), when the copy
+        thread is done; otherwise at once. Idempotent."""
+        for e in entries:
+            if e.ready or id(e) in self.aborted:
+                continue
+            self.index.remove(e)
+            if e.slot < 0:
+                e.pins = 0
+            elif copy_running:
+                self.aborted[id(e)] = e
+            else:
+                self._free_reserved(e)
+
+    def release_aborted(self, entries: Iterable[Entry]) -> None:
+        """The copy into ABORTED entries' slots ended: the slots go back to the arena."""
+        for e in entries:
+            if self.aborted.pop(id(e), None) is not None:
+                self._free_reserved(e)
+
+    def _free_reserved(self, e: Entry) -> None:
+        self.host.arena.free([e.slot], e.size)
+        self.host.used_bytes -= e.size
+        e.slot = -1
+        e.pins = 0
+
+    # --- holds
+    def pin(self, entries: Iterable[Entry]) -> None:
+        for e in entries:
+            e.pins += 1
+
+    def unpin(self, entries: Iterable[Entry]) -> None:
+        """Drop one pin of each; a slot whose release waited for its last pin goes now."""
+        for e in entries:
+            e.pins -= 1
+            if e.pins == 0 and e.release_pending:
+                self.release(e)
+
+    # --- host copy
+    def add(self, chain: Sequence[Entry], offsets: Sequence[int]) -> None:
+        """NONE -> RESIDENT: ready entries (head first) get the slots their bytes were put in."""
+        for e, off in zip(chain, offsets):
+            assert e.slot < 0
+            e.slot = off
+            self.host.held(e.size)
+        self.host.lru_touch(chain)
+
+    def evict(self, e: Entry, keep_slot: bool) -> None:
+        """RESIDENT -> SPILLING (keep_slot: its spill is queued) or -> NONE."""
+        host = self.host
+        host.lru_discard(e)
+        if keep_slot:
+            e.spilling = True
+            host.spilling[id(e)] = e
+            if host.staged_bytes + e.size <= host.staging_bytes:
+                e.staged = True  # off the tier's capacity now; the slot itself goes after the write
+                host.staged_bytes += e.size
+                host.used_bytes -= e.size
+        else:
+            self.release(e)
+
+    def evict_many(self, entries: Sequence[Entry]) -> None:
+        """RESIDENT -> NONE for a batch of victims nothing pins (one arena call per batch)."""
+        host = self.host
+        free: list[int] = []
+        size = 0
+        for e in entries:
+            if e.pins or e.staged or e.spilling or (size and e.size != size):
+                self.evict(e, keep_slot=False)
+                continue
+            size = e.size
+            host.lru_discard(e)
+            free.append(e.slot)
+            e.slot = -1
+            e.release_pending = False
+        if free:
+            host.arena.free(free, size)
+            host.used_bytes -= len(free) * size
+            self._wake_and_promote(entries)
+
+    def restore(self, e: Entry) -> bool:
+        """SPILLING -> RESIDENT with the slot it kept (its spill failed); False: no room for it."""
+        host = self.host
+        if e.staged:
+            if e.size > host.free_bytes:
+                return False
+            host.staged_bytes -= e.size
+            host.used_bytes += e.size
+            e.staged = False
+        host.spilling.pop(id(e), None)
+        e.spilling = False
+        host.lru_touch([e])
+        return True
+
+    def release(self, e: Entry) -> None:
+        """-> host copy NONE: the slot goes back to the arena; deferred (release_pending) while pinned."""
+        if e.slot < 0:
+            return
+        host = self.host
+        host.lru_discard(e)
+        host.spilling.pop(id(e), None)
+        e.spilling = False
+        if e.pins:
+            e.release_pending = True
+            self.releasing[id(e)] = e
+            return
+        self.releasing.pop(id(e), None)
+        host.arena.free([e.slot], e.size)
+        if e.staged:
+            host.staged_bytes -= e.size
+            e.staged = False
+        else:
+            host.used_bytes -= e.size
+        e.slot = -1
+        e.release_pending = False
+        self._wake_and_promote((e,))
+
+    def _wake_and_promote(self, released: Iterable[Entry]) -> None:
+        host = self.host
+        if host.waiters:
+            for e in released:
+                host.wake(e)
+        if host.spilling:
+            self._promote()
+
+    def _promote(self) -> None:
+        """Spills still on the tier's capacity move to the staging budget as it frees up, oldest
+        first: the Stores waiting for their room go on without waiting for their writes."""
+        host = self.host
+        for e in host.spilling.values():
+            if e.staged:
+                continue
+            if host.staged_bytes + e.size > host.staging_bytes:
+                return
+            e.staged = True
+            host.staged_bytes += e.size
+            host.used_bytes -= e.size
+            host.wake(e)
+
+    def forget(self, e: Entry) -> None:
+        """-> (absent): neither copy is left (or an admin evict / a discard)."""
+        self.retention.forget(e)
+        self.index.remove(e)
+
+    # --- prefetch leases
+    def lease(self, owner: SessionId, e: Entry, now: float, seconds: float, staged: bool) -> int:
+        """Lease e to owner until now + seconds; returns the bytes it adds to owner's leases. Only for
+        a block whose lease is not running (an ended one not yet reaped is ended first)."""
+        book = self.leases
+        if id(e) in book.entries:
+            self.end_lease(e, used=False)
+        e.lease_until = now + seconds
+        e.lease_owner = owner
+        book.entries[id(e)] = (e, staged)
+        book.total_bytes += e.size
+        book._seq += 1
+        heapq.heappush(book._expiry, (e.lease_until, book._seq, e))
+        book.by_owner.setdefault(owner, {})[id(e)] = e
+        book.bytes_by_owner[owner] = book.bytes_by_owner.get(owner, 0) + e.size
+        return e.size
+
+    def end_lease(self, e: Entry, used: bool) -> None:
+        book = self.leases
+        held = book.entries.pop(id(e), None)
+        if held is None:
+            return
+        book.total_bytes -= e.size
+        if held[1]:
+            self.stats.bump(e.namespace, "prefetch_used" if used else "prefetch_wasted")
+        owner = SessionId(e.lease_owner)
+        left = book.bytes_by_owner.get(owner, 0) - e.size
+        if left > 0:
+            book.bytes_by_owner[owner] = left
+        else:
+            book.bytes_by_owner.pop(owner, None)
+        mine = book.by_owner.get(owner)
+        if mine is not None:
+            mine.pop(id(e), None)
+            if not mine:
+                del book.by_owner[owner]
+        e.lease_until = 0.0
+        e.lease_owner = ""
+
+    def loaded(self, owner: SessionId, entries: Sequence[Entry]) -> None:
+        """A Load by owner served these blocks: reuse counted; the leases it holds on them did their job."""
+        for e in entries:
+            e.reuse += 1
+        mine = self.leases.by_owner.get(owner)
+        if not mine:
+            return
+        for e in entries:
+            if id(e) in mine:
+                self.end_lease(e, used=True)
+
+    def end_leases_of(self, owner: SessionId) -> None:
+        """The owner's session closed: its leases end now."""
+        for e in list(self.leases.by_owner.get(owner, {}).values()):
+            self.end_lease(e, used=False)
+
+    def end_expired_leases(self, now: float) -> None:
+        heap = self.leases._expiry
+        entries = self.leases.entries
+        while heap and heap[0][0] <= now:
+            _, _, e = heapq.heappop(heap)
+            if id(e) in entries and e.lease_until <= now:  # not ended early, not leased again since
+                self.end_lease(e, used=False)
+
+    # --- invariants
+    def audit(self, owners: set[SessionId], idle: bool = True) -> list[str]:
+        """What is inconsistent, in words (empty: nothing). With idle=False (a call may be in
+        flight) only the room and lease books are checked, which hold at every await point."""
+        host = self.host
+        problems: list[str] = []
+        entries = list(self.index.values())
+        aborted = list(self.aborted.values())
+        if idle:
+            half = [e for e in entries if not e.ready]
+            if half:
+                problems.append(f"{len(half)} entries reserved but never committed")
+            if aborted:
+                problems.append(f"{len(aborted)} rolled-back reservations still hold their slots")
+            pinned = [e for e in entries if e.pins]
+            if pinned:
+                problems.append(f"{len(pinned)} entries still pinned by copies or reads")
+            if self.releasing:
+                problems.append(f"{len(self.releasing)} released blocks still wait for an unpin")
+            if host.loose_bytes:
+                problems.append(f"{host.loose_bytes} bytes of host slots taken for reads that never settled")
+        book = self.leases
+        orphans = [e for e, _ in book.entries.values() if e.lease_owner not in owners]
+        if orphans:
+            problems.append(f"{len(orphans)} prefetch leases held by no open session")
+        leased = sum(e.size for e, _ in book.entries.values())
+        by_owner = sum(e.size for d in book.by_owner.values() for e in d.values())
+        if not leased == book.total_bytes == sum(book.bytes_by_owner.values()) == by_owner:
+            problems.append(f"prefetch leases account {book.total_bytes} bytes, they hold {leased}")
+        # every holder of a slot: indexed blocks, rolled-back reservations, spills and pinned
+        # releases of blocks already forgotten
+        held = {id(e): e for e in entries}
+        for more in (aborted, self.releasing.values(), host.spilling.values()):
+            held.update((id(e), e) for e in more)
+        on_tier = sum(e.size for e in held.values() if e.host_buf is not None)
+        if on_tier + host.loose_bytes != host.used_bytes or host.loose_bytes < 0:
+            problems.append(f"host tier accounts {host.used_bytes} bytes, its blocks hold {on_tier} "
+                            f"(and reads in flight {host.loose_bytes})")
+        staged = sum(e.size for e in held.values() if e.staged)
+        if staged != host.staged_bytes or staged > host.staging_bytes:
+            problems.append(f"spill staging accounts {host.staged_bytes} bytes, its spills hold {staged}")
+        slots = sum(e.size for e in held.values() if e.slot >= 0) + host.loose_bytes
+        if slots != host.arena.used_bytes:
+            problems.append(f"arena has {host.arena.used_bytes} bytes of slots taken, blocks hold {slots}")
+        return problems
+
