@@ -12,6 +12,7 @@ Parts (each prints a table; --parts picks some):
   store    per block size: --total bytes of random blocks in an aligned host arena are spilled
            through DiskStore.write in batches (--batch-bytes each, --writers caller threads),
            including the final fdatasync of every segment (sustained: nothing left in a cache);
+           (the blocks handed over as HostSlots of the arena, as the daemon does);
            the store is closed, the page cache dropped (drop_caches when permitted; O_DIRECT
            reads bypass it anyway), reopened, and every block read back (--readers threads,
            CRC32C verified by the store) into a second arena, then compared byte for byte.
@@ -55,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvservice.checksum import checksum  # noqa: E402
 from kvservice.disk import BlockWrite, DiskStore, aligned_buffer  # noqa: E402
+from kvservice.disk.batch_io import HostSlots  # noqa: E402
 from kvservice.disk.segment import read_all, write_all  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -162,9 +164,14 @@ def store_case(directory: Path, block: int, total: int, batch_bytes: int, writer
     faults: list = []
     lock = threading.Lock()
 
+    offsets = np.arange(n, dtype=np.int64) * block
+
+    def slots(base: np.ndarray, s: int, e: int) -> HostSlots:  # as the daemon hands its arena slots over
+        return HostSlots(base, offsets[s:e], np.full(e - s, block, dtype=np.int64))
+
     def spill(b: tuple[int, int]) -> None:
         s, e = b
-        out = store.write(locs[s:e], writes[s:e], bufs[s:e])
+        out = store.write(locs[s:e], writes[s:e], slots(arena, s, e))
         with lock:
             faults.extend(f for f in out if f is not None)
 
@@ -183,12 +190,11 @@ def store_case(directory: Path, block: int, total: int, batch_bytes: int, writer
     open_s = time.perf_counter() - t0
     assert len(store.recovered) == n
     out = aligned_buffer(n * block)
-    outs = [out[i * block:(i + 1) * block] for i in range(n)]
     bad: list = []
 
     def load(b: tuple[int, int]) -> None:
         s, e = b
-        res = store.read(locs[s:e], outs[s:e])
+        res = store.read(locs[s:e], slots(out, s, e))
         with lock:
             bad.extend(f for f in res if f is not None)
 
@@ -371,7 +377,7 @@ def main() -> int:
     p.add_argument("--batch-bytes", default="64MiB", help="bytes per DiskStore.write/read call")
     p.add_argument("--writers", type=int, default=4, help="threads calling write (the daemon's writer pool)")
     p.add_argument("--readers", type=int, default=4, help="threads calling read")
-    p.add_argument("--io-threads", type=int, default=16, help="DiskStore's own request threads")
+    p.add_argument("--io-threads", type=int, default=32, help="DiskStore's own request threads (the daemon's)")
     p.add_argument("--segment-bytes", default="256MiB")
     p.add_argument("--restart-blocks", type=int, default=1_000_000)
     p.add_argument("--formats", default="segments", help="daemon part: disk formats to run (segments, files)")

@@ -26,6 +26,7 @@ import torch
 from kvservice.disk import block_file
 from kvservice.ops.config import Config
 from kvservice.disk import FaultKind, aligned_buffer
+from kvservice.disk.batch_io import HostSlots
 from kvservice.disk.tier_io import BlockWrite, DiskFault, TierIO, remove_v1_blocks
 from kvservice.disk.disk_tier import DiskTier
 from kvservice.placement.eviction import Victim, admission_gate, plan_disk_eviction
@@ -55,6 +56,7 @@ class Tiers:
         self.disk = DiskTier(config.disk_path, config.disk_capacity_bytes) if config.has_disk else None
         self.segments: TierIO | None = None  # disk tier v2 (disk_format "segments"), opened by recover()
         self._writing: set[int] = set()  # segment slots with a write in flight
+        self._arena_bytes: np.ndarray | None = None  # the arena as numpy (HostSlots' base), made on first use
         self.retention = Retention(config.max_ttl_seconds, config.retained_cap_bytes)
         self.life = Lifecycle(self.index, self.host, self.retention, stats)  # every block state change
         self.gate = admission_gate(config)
@@ -211,23 +213,25 @@ class Tiers:
         phys = self.host.arena.placeable(block_bytes)
         room = self.host.free_bytes
         victims: list[Entry] = []
-        after: list[int] = []  # placeable once victims[:k+1] are out
         freed_in: dict[int, int] = {}
+        slot_freeing = self.host.arena.slot_freeing
         have = min(phys, room // block_bytes)
+        k = 0  # have only grows: the shortest prefix of victims that makes room for `fit` ends where it last grew
         for e in self._host_candidates(now):
-            phys += self.host.arena.slot_freeing(e.slot, e.size, block_bytes, freed_in)
-            room += e.size
-            have = min(phys, room // block_bytes)
+            size = e.size
+            phys += 1 if size == block_bytes else slot_freeing(e.slot, size, block_bytes, freed_in)
+            room += size
             victims.append(e)
-            after.append(have)
-            if have >= n:
-                break
+            now_have = min(phys, room // block_bytes)
+            if now_have > have:
+                have, k = now_have, len(victims)
+                if have >= n:
+                    break
         fit = min(n, have)
-        # evict no more than the shortest prefix of victims that makes room for `fit`
-        k = next((i + 1 for i, h in enumerate(after) if h >= fit), 0)
-        victims = victims[:k]
+        del victims[k:]
         # retained victims claim disk room before best-effort ones
-        victims.sort(key=lambda e: not e.retained(now))
+        if any(e.deadline > now for e in victims):
+            victims.sort(key=lambda e: not e.retained(now))
         spills = self._evict_victims(victims, now)
         return fit, spills
 
@@ -277,7 +281,7 @@ class Tiers:
         protect = self.disk is not None and (self.config.protect_unexpired or self._disk_unwritable())
         room = self._disk_room(now) if protect else 0
         for e in self.host.entries_oldest_first():
-            if e.pinned(now):
+            if e.pins or e.lease_until > now:  # pinned(now), inlined: this loop runs once per victim
                 continue
             if protect and e.disk == DiskState.NONE and e.retained(now):
                 if e.size > room:
@@ -370,8 +374,7 @@ class Tiers:
             self._count_by_ns(drop, "host_evictions")
             self._count_by_ns(drop, "drops_no_disk" if no_disk else "drops_gate")
             self.life.evict_many(release + drop)
-            for e in drop:
-                self.life.forget(e)
+            self.life.forget_many(drop)
         return [e for e in rest if self._evict_from_host(e, now)]
 
     def _count_by_ns(self, entries: list[Entry], counter: str) -> None:
@@ -477,8 +480,7 @@ class Tiers:
         blocks = [BlockWrite(e.namespace, e.key.hash, e.checksum, e.deadline, e.stored_at, e.reuse) for e in batch]
         self._writing.update(locs)
         self.life.pin(batch)  # the store reads the blocks' host slots: they must not be freed or reused meanwhile
-        bufs = self.host.rows(batch)
-        job = self.segments.write_many(locs, blocks, bufs)
+        job = self.segments.write_many(locs, blocks, self._host_slots(batch, [e.slot for e in batch]))
         settled = asyncio.get_running_loop().create_future()
 
         def settle(j: asyncio.Future) -> None:
@@ -489,36 +491,49 @@ class Tiers:
                 DiskFault(FaultKind.IO_ERROR, f"spill failed: {err!r}")] * len(batch)
             self._writing.difference_update(locs)
             self.life.unpin(batch)
+            spilled: dict[str, int] = {}
             for e, loc, block, fault in zip(batch, locs, blocks, faults):
-                self._settle_spill(e, loc, block, fault)
+                if self._settle_spill(e, loc, block, fault):
+                    spilled[e.namespace] = spilled.get(e.namespace, 0) + 1
+            for ns, k in spilled.items():
+                self.stats.bump(ns, "spills", k)
             if not settled.done():
                 settled.set_result(None)
 
         job.add_done_callback(settle)
         await asyncio.shield(settled)
 
-    def _settle_spill(self, e: Entry, loc: int, block: BlockWrite, fault: DiskFault | None) -> None:
-        """One block of a written batch: committed to the disk tier, or failed (slot given back)."""
+    def _host_slots(self, entries: list[Entry], offsets: list[int]) -> HostSlots:
+        """The blocks' host slots as the disk store's HostSlots (planned as arrays, one iovec per
+        run of slots adjacent in memory and on disk)."""
+        if self._arena_bytes is None:
+            self._arena_bytes = self.host.arena.base.numpy()
+        return HostSlots(self._arena_bytes, np.array(offsets, dtype=np.int64),
+                         np.array([e.size for e in entries], dtype=np.int64))
+
+    def _settle_spill(self, e: Entry, loc: int, block: BlockWrite, fault: DiskFault | None) -> bool:
+        """One block of a written batch: committed to the disk tier (True: count it as a spill),
+        or failed (slot given back)."""
         assert self.disk is not None and self.segments is not None
         if fault is not None:  # the store gave the slot back
             e.disk_loc = -1
             self.stats.bump(e.namespace, "io_errors")
             log.warning("spill of %s failed (%s): %s", e.key.hash.hex()[:16], fault.kind.value, fault.message)
             self._spill_failed(e)
-            return
+            return False
         if self.index.get_any(e.key) is not e or e.disk != DiskState.QUEUED:  # evicted while written
             self.segments.free(loc)
             e.disk_loc = -1
             self._abandon_spill(e)
-            return
+            return False
         e.disk_deadline = block.deadline
         self.disk.commit(e)
         if e.spilling:
             self.life.release(e)
-        self.stats.bump(e.namespace, "spills")
         if e.deadline != e.disk_deadline:  # a metadata update, committed in the background
             self.segments.set_deadline(loc, e.deadline)
             e.disk_deadline = e.deadline
+        return True
 
     def _spill_failed(self, e: Entry) -> None:
         """A retained block whose spill failed goes back to the host tier when it fits there (it
@@ -649,9 +664,12 @@ class Tiers:
             k = min(len(idxs), self.host.placeable(size))
             for i, off in zip(idxs, (self.host.alloc(size, k) or ()) if k else ()):
                 offsets[i] = off
-        outs: list = [self.host.arena.row(off, e.size) if off is not None else None for e, off in zip(entries, offsets)]
         rest = [i for i in range(n) if offsets[i] is None]
-        if rest:
+        outs: list | HostSlots
+        if not rest:  # every block lands in a host slot: one planned, coalesced read into the arena
+            outs = self._host_slots(entries, offsets)  # type: ignore[arg-type]
+        else:
+            outs = [self.host.arena.row(off, e.size) if off is not None else None for e, off in zip(entries, offsets)]
             for i, b in zip(rest, scratch(len(rest))):
                 outs[i] = b
             own = [i for i in rest if outs[i] is None]
@@ -671,24 +689,37 @@ class Tiers:
             err = j.exception() if not j.cancelled() else asyncio.CancelledError()
             faults = j.result() if err is None else [DiskFault(FaultKind.IO_ERROR, f"disk read failed: {err!r}")] * n
             out: list[tuple[torch.Tensor | BaseException, bool]] = []
-            for e, off, buf, fault in zip(entries, offsets, outs, faults):
+            adds: list[Entry] = []  # onboarded: their slots become their host copies, added at once
+            add_offs: list[int] = []
+            adding: set[int] = set()
+            onboards: dict[str, int] = {}
+            for k, (e, off, fault) in enumerate(zip(entries, offsets, faults)):
+                if id(e) in adding:  # the same block twice in one batch: its first copy goes in first
+                    self.life.add(adds, add_offs)
+                    adds, add_offs, adding = [], [], set()
                 if fault is not None:
                     if off is not None:
                         self.host.free([off], e.size)
                     out.append((self._read_failed(e, fault), False))
                 elif off is None:
-                    out.append((buf, False))
+                    out.append((outs[k], False))  # type: ignore[index]
                 elif self.index.get_any(e.key) is e and not e.in_memory:
-                    self.life.add([e], [off])  # the slot read into is the host copy
-                    self.stats.bump(e.namespace, "disk_onboards")
-                    out.append((buf, True))
+                    adds.append(e)
+                    add_offs.append(off)
+                    adding.add(id(e))
+                    onboards[e.namespace] = onboards.get(e.namespace, 0) + 1
+                    out.append((self.host.arena.row(off, e.size), True))
                 elif e.in_memory:  # another call put it back in memory meanwhile: serve that copy
                     self.host.free([off], e.size)
                     out.append((self.host.row(e), True))
                 else:  # forgotten meanwhile: these verified bytes are still served, from a copy
-                    own_copy = buf.clone()
+                    own_copy = self.host.arena.row(off, e.size).clone()
                     self.host.free([off], e.size)
                     out.append((own_copy, False))
+            if adds:
+                self.life.add(adds, add_offs)
+            for ns, c in onboards.items():
+                self.stats.bump(ns, "disk_onboards", c)
             self.life.unpin(entries)
             if not settled.done():
                 settled.set_result(out)

@@ -4,6 +4,9 @@ Primitives:
   plan(items, segments, max_request) -> [Run]   sort by location; adjacent slots of one segment
                                                 become one pwritev/preadv of up to max_request
                                                 bytes, its iovecs the callers' buffers themselves
+  plan_slots(idx, locs, HostSlots, ...) -> [Run] the same for blocks in one host buffer (the
+                                                arena), with array operations; blocks adjacent on
+                                                disk and in memory share one iovec
   execute(pool, runs, fn) -> {run index: error}  run every request on the pool, wait for all
 
 A run is direct (O_DIRECT descriptor) when every buffer in it fills its slot exactly: if they
@@ -90,31 +93,97 @@ def read_run(run: Run) -> None:
         read_all(run.fd, run.views, run.offset, run.seg.path)
 
 
+@dataclass(slots=True)
+class HostSlots:
+    """A batch's blocks in one host buffer: block i is base[offsets[i]:offsets[i] + lengths[i]]
+    (the host arena's slots). Planned with array operations, and blocks adjacent both on disk
+    and in memory share one iovec: a batch of a Store's blocks is a few iovecs, not one per block."""
+
+    base: np.ndarray  # uint8, 1-D
+    offsets: np.ndarray  # int64
+    lengths: np.ndarray  # int64
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def view(self, i: int) -> np.ndarray:
+        o = int(self.offsets[i])
+        return self.base[o:o + int(self.lengths[i])]
+
+    def subset(self, idx: np.ndarray) -> HostSlots:
+        return HostSlots(self.base, self.offsets[idx], self.lengths[idx])
+
+
 def plan(items: Sequence[tuple[int, int, np.ndarray]], segments: dict[int, SegmentFile], max_request: int,
          *, reading: bool) -> list[Run]:
     """items: (batch index, loc, byte view). Every loc's segment must be in `segments`."""
+    if not items:
+        return []
+    idx = np.fromiter((it[0] for it in items), np.int64, len(items))
+    locs = np.fromiter((it[1] for it in items), np.int64, len(items))
+    views = [it[2] for it in items]
+    lengths = np.fromiter((v.nbytes for v in views), np.int64, len(views))
+    addrs = np.fromiter((v.ctypes.data for v in views), np.int64, len(views))
+    return _plan(idx, locs, lengths, addrs, segments, max_request, reading, views=views)
+
+
+def plan_slots(idx: np.ndarray, locs: np.ndarray, slots: HostSlots, segments: dict[int, SegmentFile],
+               max_request: int, *, reading: bool) -> list[Run]:
+    """plan() for blocks in host slots: idx are batch indices, slots their buffers (same order)."""
+    if not len(idx):
+        return []
+    addrs = slots.offsets + slots.base.ctypes.data
+    return _plan(idx, locs, slots.lengths, addrs, segments, max_request, reading, slots=slots)
+
+
+def _plan(idx, locs, lengths, addrs, segments, max_request, reading, *, views=None, slots=None) -> list[Run]:
+    order = np.argsort(locs, kind="stable")
+    locs, lengths, addrs, idx = locs[order], lengths[order], addrs[order], idx[order]
+    seg_ids, slot_no = locs >> 32, locs & 0xFFFFFFFF
+    uniq, inv = np.unique(seg_ids, return_inverse=True)
+    segs = [segments[int(s)] for s in uniq]
+    slot_bytes = np.array([s.slot_bytes for s in segs], dtype=np.int64)[inv]
+    has_direct = np.array([s.dfd is not None for s in segs], dtype=bool)[inv]
+    direct = has_direct & (lengths == slot_bytes)
+    bounce = direct & (addrs % ALIGN != 0)
+    n = len(locs)
+    brk = np.ones(n, dtype=bool)
+    if n > 1:
+        brk[1:] = ((seg_ids[1:] != seg_ids[:-1]) | (slot_no[1:] != slot_no[:-1] + 1)
+                   | (direct[1:] != direct[:-1]) | (bounce[1:] != bounce[:-1]))
+    starts = np.flatnonzero(brk).tolist() + [n]
     runs: list[Run] = []
-    cur: Run | None = None
-    prev = (-1, -1)
-    for idx, loc, view in sorted(items, key=lambda it: it[1]):
-        seg_id, slot = split_loc(loc)
-        seg = segments[seg_id]
-        direct, bounce = _mode(view, seg)
-        limit = min(max_request, BOUNCE_MAX) if bounce else max_request
-        adjacent = (cur is not None and prev == (seg_id, slot - 1) and cur.direct == direct
-                    and cur.bounce == bounce and cur.nbytes + seg.slot_bytes <= limit)
-        if not adjacent:
-            cur = Run(seg, slot, direct, bounce)
-            runs.append(cur)
-        assert cur is not None
-        cur.blocks.append(idx)
-        cur.views.append(view)
-        pad = seg.slot_bytes - view.nbytes
-        if pad:  # only on buffered runs: a direct view fills its slot
-            cur.views.append(np.empty(pad, dtype=np.uint8) if reading else _ZERO_PAD[:pad])
-        cur.nbytes += seg.slot_bytes
-        prev = (seg_id, slot)
+    for a, b in zip(starts[:-1], starts[1:]):
+        seg = segs[int(inv[a])]
+        sb = seg.slot_bytes
+        limit = min(max_request, BOUNCE_MAX) if bounce[a] else max_request
+        per = max(1, limit // sb)
+        for lo in range(a, b, per):
+            hi = min(b, lo + per)
+            run = Run(seg, int(slot_no[lo]), bool(direct[lo]), bool(bounce[lo]), idx[lo:hi].tolist(),
+                      nbytes=(hi - lo) * sb)
+            if slots is not None and run.direct:
+                run.views = _coalesced(slots, order[lo:hi], addrs[lo:hi], lengths[lo:hi])
+            else:
+                for k in range(lo, hi):
+                    v = views[int(order[k])] if views is not None else slots.view(int(order[k]))
+                    run.views.append(v)
+                    pad = sb - int(lengths[k])
+                    if pad:  # only on buffered runs: a direct view fills its slot
+                        run.views.append(np.empty(pad, dtype=np.uint8) if reading else _ZERO_PAD[:pad])
+            runs.append(run)
     return runs
+
+
+def _coalesced(slots: HostSlots, pos: np.ndarray, addrs: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
+    """iovecs of consecutive disk slots: one per stretch that is also contiguous in memory."""
+    cut = np.flatnonzero(addrs[1:] != addrs[:-1] + lengths[:-1]) + 1
+    bounds = [0, *cut.tolist(), len(pos)]
+    out = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        o = int(slots.offsets[pos[a]])
+        out.append(slots.base[o:o + int(lengths[a:b].sum())])
+    return out
 
 
 def execute(pool: Executor, runs: list[Run], fn: Callable[[Run], None]) -> dict[int, BaseException]:

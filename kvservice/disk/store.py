@@ -40,7 +40,8 @@ from kvservice.disk import batch_io
 from kvservice.disk.metadata import REC, Metadata, MetadataError, Rows
 from kvservice.disk.recovery import Recovered, check_rows
 from kvservice.disk.segment import NAME_RE, SegmentFile, UnsafeFileError, segment_name
-from kvservice.disk.slots import SlotAllocator, make_loc, slot_class, split_loc
+from kvservice.disk.batch_io import HostSlots
+from kvservice.disk.slots import ALIGN, SlotAllocator, make_loc, slot_class, split_loc
 from kvservice.disk.io_backend import ShortReadError, ShortWriteError
 from kvservice.core.types import HASH_BYTES
 
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 
 META_PER_SLOT = 256  # bytes of SQLite reserved per slot: a row is ~90 B, pages may be half full
 MAX_TXN_ROWS = 512  # rows per transaction: bounds the WAL a commit can add
+FANOUT = 8  # requests a batch is split into (see _request_size)
 
 
 class FaultKind(str, enum.Enum):
@@ -96,7 +98,7 @@ def fault_of(e: BaseException, what: str) -> DiskFault:
 
 class DiskStore:
     def __init__(self, root: str, capacity_bytes: int, *, max_ttl_seconds: float = 7 * 24 * 3600.0,
-                 now: Callable[[], float] = time.time, segment_bytes: int = 256 << 20, io_threads: int = 8,
+                 now: Callable[[], float] = time.time, segment_bytes: int = 256 << 20, io_threads: int = 32,
                  max_request_bytes: int = 16 << 20, direct: bool = True, durable: bool = False,
                  other_bytes: int = 0) -> None:
         """other_bytes: room kept for files others put under root (the daemon's namespace canaries)."""
@@ -325,37 +327,43 @@ class DiskStore:
             self._alloc.release(locs)
 
     # --- writes
-    def write(self, locs: Sequence[int], blocks: Sequence[BlockWrite], bufs: Sequence[Buffer]) -> list[DiskFault | None]:
+    def write(self, locs: Sequence[int], blocks: Sequence[BlockWrite],
+              bufs: Sequence[Buffer] | HostSlots) -> list[DiskFault | None]:
+        """bufs: one buffer per block, or HostSlots (blocks in one host buffer, planned as arrays)."""
         n = len(locs)
         faults: list[DiskFault | None] = [None] * n
-        views: list[np.ndarray | None] = [None] * n
-        for i in range(n):
-            try:
-                v = byte_view(bufs[i])
-                if len(blocks[i].hash) != HASH_BYTES:
-                    raise ValueError(f"block hash must be {HASH_BYTES} bytes")
-                if slot_class(v.nbytes) != self._slot_bytes_of(locs[i]):
-                    raise ValueError(f"a {v.nbytes}-byte block does not fit slot class {self._slot_bytes_of(locs[i])}")
-                views[i] = v
-            except (TypeError, ValueError) as e:
-                faults[i] = DiskFault(FaultKind.WRONG_SIZE, f"block not written: {e}")
-        self._create_planned({split_loc(locs[i])[0] for i in range(n) if faults[i] is None})
-        items = []
+        la = np.fromiter(locs, np.int64, n)
+        slots, views, lengths = _buffers(bufs, faults, writable=False)
+        for i, b in enumerate(blocks):
+            if len(b.hash) != HASH_BYTES and faults[i] is None:
+                faults[i] = DiskFault(FaultKind.WRONG_SIZE, f"block not written: block hash must be {HASH_BYTES} bytes")
+        seg_of = la >> 32
+        with self._lock:
+            sb_of = {int(sid): (seg.slot_bytes if (seg := self._alloc.segments.get(int(sid))) else -1)
+                     for sid in np.unique(seg_of)}
+        want = np.array([sb_of[int(sid)] for sid in seg_of], dtype=np.int64) if n else np.zeros(0, np.int64)
+        classes = (np.maximum(lengths, 1) + ALIGN - 1) // ALIGN * ALIGN
+        for i in np.flatnonzero((classes != want) | (lengths <= 0)).tolist():
+            if faults[i] is None:
+                faults[i] = DiskFault(FaultKind.WRONG_SIZE, f"block not written: a {int(lengths[i])}-byte block "
+                                      f"does not fit slot class {int(want[i])}")
+        self._create_planned({int(seg_of[i]) for i in range(n) if faults[i] is None})
         with self._lock:
             for i in range(n):
-                if faults[i] is not None:
-                    continue
-                sid = split_loc(locs[i])[0]
-                if sid not in self._files:
+                if faults[i] is None and int(seg_of[i]) not in self._files:
+                    sid = int(seg_of[i])
                     faults[i] = self._failed_segments.get(sid) or DiskFault(
                         FaultKind.IO_ERROR, f"segment {sid} of this reservation is gone")
-                    continue
-                items.append((i, locs[i], views[i]))
-            segs = {split_loc(loc)[0] for _, loc, _ in items}
+            good = np.fromiter((i for i in range(n) if faults[i] is None), np.int64)
+            segs = set(seg_of[good].tolist())
             self._busy.update(segs)
             files = {s: self._files[s] for s in segs}
         try:
-            runs = batch_io.plan(items, files, self._request_size(items), reading=False)
+            size = self._request_size(int(lengths[good].sum()))
+            if slots is not None:
+                runs = batch_io.plan_slots(good, la[good], slots.subset(good), files, size, reading=False)
+            else:
+                runs = batch_io.plan([(int(i), int(la[i]), views[i]) for i in good], files, size, reading=False)
             errors = batch_io.execute(self._pool, runs, batch_io.write_run)
             for k, e in errors.items():
                 f = fault_of(e, f"spill to {runs[k].seg.path} failed")
@@ -366,30 +374,26 @@ class DiskStore:
         finally:
             with self._lock:
                 self._busy.subtract(segs)
-        done = [i for i, _, _ in items if faults[i] is None]
-        self._commit_puts(done, locs, blocks, views, faults)
+        done = [int(i) for i in good if faults[i] is None]
+        self._commit_puts(done, la, blocks, lengths, faults)
         with self._lock:
-            for i in range(n):
-                if faults[i] is not None:
-                    self._alloc.release([locs[i]])
-                    self.faults[faults[i].kind.value] += 1  # type: ignore[union-attr]
-            ro = [f for f in faults if f is not None and f.kind == FaultKind.READ_ONLY]
+            bad = [i for i in range(n) if faults[i] is not None]
+            self._alloc.release([locs[i] for i in bad])
+            for i in bad:
+                self.faults[faults[i].kind.value] += 1  # type: ignore[union-attr]
+            ro = [faults[i] for i in bad if faults[i].kind == FaultKind.READ_ONLY]  # type: ignore[union-attr]
             if ro:
                 self.read_only_fault = ro[0]
-            elif any(f is None for f in faults):
+            elif len(bad) < n:
                 self.read_only_fault = None
         return faults
 
-    def _request_size(self, items) -> int:
-        """Large requests, but enough of them to keep every I/O thread busy: a batch of 8 MiB is
-        eight 1 MiB requests in parallel, not one (one stream of a virtual disk is far from its limit)."""
-        total = sum(v.nbytes for _, _, v in items)
-        return max(1 << 20, min(self.max_request, -(-total // self.io_threads)))
-
-    def _slot_bytes_of(self, loc: int) -> int:
-        with self._lock:
-            seg = self._alloc.segments.get(split_loc(loc)[0])
-            return seg.slot_bytes if seg is not None else -1
+    def _request_size(self, total: int) -> int:
+        """Large requests, and several of them per call: a batch is split into about FANOUT
+        requests (1 MiB to max_request each), so one call keeps several I/O threads busy and the
+        calls of concurrent writers (readers) fill the rest of the pool. One stream of a virtual
+        disk is far from its limit; what it needs is many bytes in flight."""
+        return max(1 << 20, min(self.max_request, -(-total // FANOUT)))
 
     def _sync(self, segs: dict[int, SegmentFile], runs, faults) -> None:
         for sid, f in segs.items():
@@ -436,31 +440,42 @@ class DiskStore:
             ns = self._ns_ids[name] = self._meta.add_namespace(name)
         return ns
 
-    def _commit_puts(self, done: list[int], locs, blocks, views, faults) -> None:
+    def _commit_puts(self, done: list[int], la: np.ndarray, blocks, lengths: np.ndarray, faults) -> None:
         """Metadata after data: rows for the written blocks, in transactions of MAX_TXN_ROWS."""
         with self._db_lock:
             for start in range(0, max(1, len(done)), MAX_TXN_ROWS):
                 part = done[start:start + MAX_TXN_ROWS]
                 try:
+                    bs = [blocks[i] for i in part]
                     rec = np.zeros(len(part), REC)
-                    for j, i in enumerate(part):
-                        b = blocks[i]
-                        rec[j] = (locs[i], self._ns_id(b.namespace), b.hash, views[i].nbytes, b.crc, b.reuse,
-                                  b.stored_at, b.deadline, self._seq)
-                        self._seq += 1
-                    puts = [(locs[i], rec[j].tobytes()) for j, i in enumerate(part)]
+                    rec["loc"] = la[part]
+                    rec["ns"] = [self._ns_id(b.namespace) for b in bs]
+                    if part:
+                        rec["hash"] = np.frombuffer(b"".join([b.hash for b in bs]), "V32")
+                    rec["length"] = lengths[part]
+                    rec["crc"] = [b.crc for b in bs]
+                    rec["reuse"] = [b.reuse for b in bs]
+                    rec["stored_at"] = [b.stored_at for b in bs]
+                    rec["deadline"] = [b.deadline for b in bs]
+                    rec["seq"] = np.arange(self._seq, self._seq + len(part), dtype=np.uint64)
+                    self._seq += len(part)
+                    blob = rec.tobytes()
+                    w = REC.itemsize
+                    puts = [(loc, blob[j * w:(j + 1) * w]) for j, loc in enumerate(rec["loc"].tolist())]
                     self._commit_locked(puts)
                 except (MetadataError, OSError) as e:
                     f = fault_of(e, "spill written but its metadata commit failed")
                     for i in done[start:]:
                         faults[i] = f
                     return
+                seg_of, slot_of = rec["loc"] >> 32, rec["loc"] & 0xFFFFFFFF
                 with self._lock:
-                    for j, i in enumerate(part):
-                        sid, slot = split_loc(locs[i])
-                        if sid in self._length:
-                            self._length[sid][slot] = rec["length"][j]
-                            self._crc[sid][slot] = rec["crc"][j]
+                    for sid in np.unique(seg_of).tolist():
+                        length = self._length.get(sid)
+                        if length is not None:
+                            m = seg_of == sid
+                            length[slot_of[m]] = rec["length"][m]
+                            self._crc[sid][slot_of[m]] = rec["crc"][m]
 
     def _commit_locked(self, puts=(), fold: bool = False) -> None:
         """One transaction of the queued deletes, deadlines, segment rows and `puts`.
@@ -486,44 +501,53 @@ class DiskStore:
             self._alloc.settle(deletes)
 
     # --- reads
-    def read(self, locs: Sequence[int], outs: Sequence[Buffer]) -> list[DiskFault | None]:
+    def read(self, locs: Sequence[int], outs: Sequence[Buffer] | HostSlots) -> list[DiskFault | None]:
+        """outs: one buffer per block, or HostSlots (the blocks land in one host buffer)."""
         n = len(locs)
         faults: list[DiskFault | None] = [None] * n
-        items, expect = [], {}
+        la = np.fromiter(locs, np.int64, n)
+        slots, views, lengths = _buffers(outs, faults, writable=True)
+        seg_of, slot_of = la >> 32, la & 0xFFFFFFFF
+        have = np.zeros(n, dtype=np.int64)
+        expect = np.zeros(n, dtype=np.int64)
         with self._lock:
-            for i, loc in enumerate(locs):
-                sid, slot = split_loc(loc)
+            for sid in np.unique(seg_of).tolist():
                 length = self._length.get(sid)
-                if length is None or slot >= len(length) or not length[slot]:
+                m = np.flatnonzero(seg_of == sid)
+                if length is None:
+                    continue
+                ok = m[slot_of[m] < len(length)]
+                have[ok] = length[slot_of[ok]]
+                expect[ok] = self._crc[sid][slot_of[ok]]
+            for i in np.flatnonzero((have == 0) | (have != lengths)).tolist():
+                if faults[i] is not None:
+                    continue
+                sid, slot = int(seg_of[i]), int(slot_of[i])
+                if not have[i]:
                     faults[i] = DiskFault(FaultKind.MISSING, f"no block at disk location {sid}:{slot}")
-                    continue
-                try:
-                    v = byte_view(outs[i], writable=True)
-                except (TypeError, ValueError) as e:
-                    faults[i] = DiskFault(FaultKind.WRONG_SIZE, f"cannot read into this buffer: {e}")
-                    continue
-                if v.nbytes != int(length[slot]):
-                    faults[i] = DiskFault(FaultKind.WRONG_SIZE, f"disk slot {sid}:{slot} holds a {int(length[slot])}-byte "
-                                          f"block, the namespace's blocks are {v.nbytes} bytes")
-                    continue
-                items.append((i, loc, v))
-                expect[i] = int(self._crc[sid][slot])
-            segs = {split_loc(loc)[0] for _, loc, _ in items}
+                else:
+                    faults[i] = DiskFault(FaultKind.WRONG_SIZE, f"disk slot {sid}:{slot} holds a {int(have[i])}-byte "
+                                          f"block, the namespace's blocks are {int(lengths[i])} bytes")
+            good = np.fromiter((i for i in range(n) if faults[i] is None), np.int64)
+            segs = set(seg_of[good].tolist())
             self._busy.update(segs)
             files = {s: self._files[s] for s in segs}
+        bad: dict[int, DiskFault] = {}
         try:
-            runs = batch_io.plan(items, files, self._request_size(items), reading=True)
-            bad: dict[int, DiskFault] = {}
-            views = {i: v for i, _, v in items}
+            size = self._request_size(int(lengths[good].sum()))
+            if slots is not None:
+                runs = batch_io.plan_slots(good, la[good], slots.subset(good), files, size, reading=True)
+            else:
+                runs = batch_io.plan([(int(i), int(la[i]), views[i]) for i in good], files, size, reading=True)
 
             def one(run: batch_io.Run) -> None:
                 batch_io.read_run(run)
                 for i in run.blocks:  # verify in the reading thread (the CRC releases the GIL)
-                    got = checksum(views[i])
+                    got = checksum(slots.view(i) if slots is not None else views[i])
                     if got != expect[i]:
                         bad[i] = DiskFault(FaultKind.CHECKSUM, f"disk block at {run.seg.path} slot "
-                                           f"{split_loc(locs[i])[1]} fails its checksum: crc32c {got:#010x}, "
-                                           f"expected {expect[i]:#010x}")
+                                           f"{int(slot_of[i])} fails its checksum: crc32c {got:#010x}, "
+                                           f"expected {int(expect[i]):#010x}")
 
             errors = batch_io.execute(self._pool, runs, one)
         finally:
@@ -605,6 +629,22 @@ class DiskStore:
                 f.close()
             self._files.clear()
         self._meta.close()
+
+
+def _buffers(bufs, faults: list, *, writable: bool) -> tuple[HostSlots | None, list, np.ndarray]:
+    """(slots, views, lengths) of a batch's buffers; a buffer that is no usable host buffer is a
+    WRONG_SIZE fault in its place (length 0)."""
+    if isinstance(bufs, HostSlots):
+        return bufs, [], bufs.lengths
+    views: list[np.ndarray | None] = [None] * len(bufs)
+    for i, b in enumerate(bufs):
+        try:
+            views[i] = byte_view(b, writable=writable)
+        except (TypeError, ValueError) as e:
+            what = "cannot read into this buffer" if writable else "block not written"
+            faults[i] = DiskFault(FaultKind.WRONG_SIZE, f"{what}: {e}")
+    lengths = np.fromiter((v.nbytes if v is not None else 0 for v in views), np.int64, len(views))
+    return None, views, lengths
 
 
 def _wal_limit(capacity_bytes: int) -> int:

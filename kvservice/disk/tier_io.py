@@ -25,6 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 
 from kvservice.checksum import Buffer
+from kvservice.disk.batch_io import HostSlots
 from kvservice.disk.store import BlockWrite, DiskFault, DiskStore
 from kvservice.disk.io_backend import nbytes
 from kvservice.disk.io_throttle import TokenBucket
@@ -46,7 +47,7 @@ class TierIO:
 
     @classmethod
     def open(cls, root: str, capacity: int, *, max_ttl_seconds: float, writers: Executor, readers: Executor,
-             now: Callable[[], float], io_threads: int = 16, durable: bool = False,
+             now: Callable[[], float], io_threads: int = 32, durable: bool = False,
              read_bytes_per_second: int = 0, write_bytes_per_second: int = 0) -> TierIO:
         store = DiskStore(root, capacity, max_ttl_seconds=max_ttl_seconds, now=now, io_threads=io_threads,
                           durable=durable, other_bytes=CANARY_ALLOWANCE)
@@ -129,7 +130,8 @@ class TierIO:
 def _paced(bucket: TokenBucket | None, op, locs, *args):
     """op(locs, *args) on a worker thread, after the bandwidth cap has paid for its bytes."""
     if bucket is not None:
-        bucket.take(sum(nbytes(b) for b in args[-1]))
+        bufs = args[-1]
+        bucket.take(int(bufs.lengths.sum()) if isinstance(bufs, HostSlots) else sum(nbytes(b) for b in bufs))
     return op(locs, *args)
 
 
