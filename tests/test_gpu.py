@@ -109,6 +109,10 @@ def test_layout_plan_gathers_and_scatters_whole_blocks(layout, layers, regions):
     assert rows.view(torch.uint8).shape == (4, spec.block_bytes)
     for k, b in enumerate(src):
         assert torch.equal(rows[k].view(torch.uint8), _reference_block(spec, base, b))
+    staged = torch.zeros((2, 4 * spec.block_bytes), dtype=torch.uint8)  # a lane's staging: gather into slot 1
+    into = staged[1].view(rows.dtype).view(rows.shape)
+    assert m._gather_dev(torch.tensor(src), out=into) is into and torch.equal(into, rows)
+    assert not staged[0].any()
     before = base.clone()
     m._scatter_dev(torch.tensor(dst), rows)
     for b in range(16):
@@ -283,6 +287,68 @@ def test_blocks_round_trip_exactly_through_host_and_disk_tiers(layout, layers):
     finally:
         d.stop()
         d.close()
+
+
+_SCATTERED_SLOTS_CHILD = r"""
+import json, random, sys
+import torch
+from kvservice.checksum import checksum
+from kvservice.core.sessions_api import PoolRegion, PoolSpec
+from kvservice.memory import cuda_memory
+from kvservice.memory.host_arena import HostArena
+from kvwire.v1 import kvcache_pb2
+from engine_client.shm_pool import _regions
+
+cuda_memory.CHUNK_BYTES = 1 << 20  # 64 rows a chunk: 16 chunks go round the staging slots four times
+desc = kvcache_pb2.PoolDescription.FromString(bytes.fromhex(sys.stdin.readline().strip()))
+bb, n = 16 << 10, 1000
+nb = desc.cuda.size // bb
+regs = _regions(nb, bb, "layer-first", 4)
+spec = PoolSpec("cuda", nb, tuple(PoolRegion(r.offset, r.block_stride, r.block_bytes) for r in regs), desc.cuda.size,
+                cuda_handle=desc.cuda.handle, cuda_device_index=desc.cuda.device_index)
+m = cuda_memory.CudaEngineMemory(spec)
+arena = HostArena(4 * n * bb, pin=True)
+rng = random.Random(5)
+ids = list(range(nb)); rng.shuffle(ids)
+src, dst = ids[:n], ids[n:2 * n]
+slots = list(range(4 * n)); rng.shuffle(slots)  # scattered: nearly every block is a run of its own
+offs = [s * bb for s in slots[:n]]
+dev = m._dev.device
+want = m._gather_dev(torch.tensor(src, device=dev)).view(torch.uint8).cpu()
+sums = m.gather_into(src, arena, offs)
+landed = all(torch.equal(arena.row(o, bb), want[i]) for i, o in enumerate(offs))
+crcs = sums == [checksum(want[i]) for i in range(n)]
+order = list(range(n)); rng.shuffle(order)
+m.scatter_from([dst[i] for i in order], arena, [offs[i] for i in order])
+loaded = torch.equal(m._gather_dev(torch.tensor(dst, device=dev)).view(torch.uint8).cpu(), want)
+m.close(); arena.close()
+print(json.dumps({"landed": landed, "crcs": crcs, "loaded": loaded}))
+"""
+
+
+@gpu
+@needs_gpu
+def test_scattered_arena_slots_and_many_chunks_move_exactly():
+    """Scenario: a fragmented host tier. 1000 blocks of 16 KiB (layer-first, 8 regions) are stored
+    into arena slots in random order, so a chunk is dozens of runs (one batched copy), in chunks of
+    1 MiB, so the lane's staging slots are reused four times over; then loaded back in another
+    order into other blocks. Every slot holds its block's bytes, every CRC32C matches, and every
+    loaded block equals its source (a helper process maps the pool, as the daemon does)."""
+    import json
+
+    from engine_client import CudaKVPool
+    from harness.daemon import child_env
+
+    pool = CudaKVPool(2048, 16 << 10, layout="layer-first", num_layers=4)
+    try:
+        pool.buffer.random_(0, 256)
+        torch.cuda.synchronize()
+        p = subprocess.run([sys.executable, "-c", _SCATTERED_SLOTS_CHILD], input=pool.description().SerializeToString().hex()
+                           + "\n", capture_output=True, text=True, env=child_env(), timeout=120, cwd=ROOT)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert json.loads(p.stdout.strip().splitlines()[-1]) == {"landed": True, "crcs": True, "loaded": True}
+    finally:
+        pool.close()
 
 
 @gpu

@@ -23,15 +23,16 @@ How a batch moves (a few launches and copies per batch, never one per block per 
   every offset, stride and row (int64 for real layouts); both engine_client layouts, block-contiguous
   (1 region) and layer-first (2 x layers regions), are such a view, so one indexing kernel moves a
   whole chunk of blocks across every region. Other region lists fall back to one kernel per region.
-  Store: per chunk, one gather kernel into a device staging tensor, then one D2H copy on a second
-  stream into a pinned chunk whose rows become host-tier buffers; the CPU checksums chunk k while
-  the DMA engine copies chunk k+1.
-  Load: sources that sit back to back in one pinned tensor (the rows of one stored or read chunk,
-  in order) coalesce into one H2D copy per run (many scattered rows: one cudaMemcpyBatchAsync);
-  then one scatter kernel per chunk on the other stream.
-  Pinned chunks hold a power-of-two number of rows: torch's pinned allocator rounds every request
-  up to a power of two bytes, so power-of-two pieces of power-of-two rows waste nothing, and freed
-  chunks are reused by the next batch of the same size class.
+  Each lane (the streams one copy job uses) owns STAGING_SLOTS chunks of device staging, allocated
+  once and reused in turn, so a batch of any size holds a fixed amount of the engine's GPU memory.
+  Store: per chunk, one gather kernel into a staging slot, the GPU CRC32C of its rows on the same
+  stream, and on the DMA stream the D2H copies of its runs of adjacent arena slots (one per run):
+  chunk k+1 gathers while chunk k is in flight.
+  Load: per chunk, the H2D copies of its runs of adjacent slots into a staging slot (many runs: one
+  cudaMemcpyBatchAsync), then one scatter kernel on the other stream.
+  Offsets and runs are numpy arrays: no Python work per block on these paths.
+  Pinned chunks that alloc_host hands out hold a power-of-two number of rows (torch's pinned
+  allocator rounds every request up to a power of two bytes).
 
 Devices: the engine's device is found by UUID (its index may differ under another
 CUDA_VISIBLE_DEVICES). A device gets CUDA state (context, streams) only when a session registers a
@@ -50,6 +51,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvservice import checksum as _checksum
@@ -61,6 +63,7 @@ from kvservice.core.types import CacheError, ErrorCode
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 32 << 20  # pipeline granularity: copy chunk k+1 while checksumming / scattering chunk k
+STAGING_SLOTS = 4  # device staging chunks per lane, reused in turn: the DMA engine always has the next ones queued
 MAX_RUN_COPIES = 16  # per chunk; more runs than this go through one cudaMemcpyBatchAsync
 CRC_THREADS = max(1, min(16, (os.cpu_count() or 2) - 2))  # ~6 GB/s each: the store's CRC must keep up with DMA
 _ELEMENT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -147,11 +150,26 @@ def _rt() -> _Runtime:
 
 
 class _Lane:
-    """One copy in flight owns a lane: a stream for kernels and one for DMA, so they overlap."""
+    """One copy in flight owns a lane: a stream for kernels and one for DMA, so they overlap, and
+    STAGING_SLOTS chunks of device staging that every job on the lane reuses in turn. The staging
+    is allocated once (at registration's warm-up), not per chunk: a batch of 4 GiB would otherwise
+    hold 4 GiB of the engine's GPU memory in the caching allocator, and the first Store would pay
+    a cudaMalloc per chunk."""
 
     def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.kernels = torch.cuda.Stream(device)
         self.dma = torch.cuda.Stream(device)
+        self._staging: torch.Tensor | None = None
+
+    def staging(self, chunk_bytes: int) -> torch.Tensor:
+        """[STAGING_SLOTS, >= chunk_bytes] uint8 on the device. Called at a job's start, when the
+        lane is idle (every job ends by synchronising it), so growing it is safe."""
+        if self._staging is None or self._staging.shape[1] < chunk_bytes:
+            self._staging = None
+            width = -(-max(CHUNK_BYTES, chunk_bytes) // 256) * 256  # slots stay aligned for any element type
+            self._staging = torch.empty((STAGING_SLOTS, width), dtype=torch.uint8, device=self.device)
+        return self._staging
 
     def synchronize(self) -> None:
         self.kernels.synchronize()
@@ -169,6 +187,14 @@ class _Device:
         self.crc: _GpuCrc | None = None
         self.crc_state = "unknown"  # "on" | "off" once decided (GPU CRC32C built and self-tested, or not)
         self.crc_lock = threading.Lock()
+
+    def drop_lanes(self) -> None:
+        """Forget idle lanes (and their staging): called when the device's last session closed."""
+        while True:
+            try:
+                self._lanes.get_nowait()
+            except queue.Empty:
+                return
 
     @contextmanager
     def lane(self) -> Iterator[_Lane]:
@@ -229,6 +255,7 @@ def _release_device(d: _Device) -> None:
         d.sessions -= 1
         last = d.sessions == 0
     if last:
+        d.drop_lanes()
         with torch.cuda.device(d.index):
             torch.cuda.empty_cache()  # staging memory of this device's copies goes back to the driver
 
@@ -296,6 +323,11 @@ def host_runs(srcs: Sequence[torch.Tensor], row_bytes: int) -> list[tuple[int, i
     if first >= 0:
         runs.append((first, len(srcs) - first, prev_base))
     return runs
+
+
+def _device_ids(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Engine block ids as an int64 tensor on the device (one copy on the current stream)."""
+    return torch.from_numpy(np.asarray(block_ids, dtype=np.int64)).to(device)
 
 
 def _pinned(shape: tuple[int, int]) -> torch.Tensor:
@@ -579,7 +611,8 @@ class CudaEngineMemory:
         dev = self._dev.device
         with self._dev.lane() as lane, torch.cuda.stream(lane.kernels):
             idx = torch.zeros(1, dtype=torch.long, device=dev)
-            rows = self._gather_dev(idx)
+            staging = lane.staging(chunk_rows(1 << 20, self.block_bytes)[0] * self.block_bytes)
+            rows = self._gather_dev(idx, out=staging[0, :self.block_bytes].view(self._dtype).view(1, self._row))
             if crc is not None:
                 crc.rows(rows, self.block_bytes, torch.empty(1, dtype=torch.int32, device=dev), lane.kernels)
             host = torch.empty((1, self._row), dtype=self._dtype, pin_memory=True)
@@ -597,19 +630,23 @@ class CudaEngineMemory:
                 if self._uniform:
                     self._view3 = real[0]
                 self._views = real[1]
-            staging = torch.empty(max(1, min(CHUNK_BYTES, self.block_bytes * chunk_rows(1 << 20, self.block_bytes)[0])),
-                                  dtype=torch.uint8, device=dev)
-            del staging  # back to the caching allocator, for the first chunk of the first Store
             lane.synchronize()
 
     # --- device-side gather/scatter of one chunk (on the current stream)
-    def _gather_dev(self, idx: torch.Tensor) -> torch.Tensor:
-        """[n, row] device tensor of the blocks idx, in the pool's element dtype."""
+    def _gather_dev(self, idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[n, row] device tensor of the blocks idx, in the pool's element dtype (into `out`, a
+        contiguous [n, row] tensor, when given: one index kernel over every region)."""
+        n = idx.numel()
         if self._uniform:
-            if self._view3.shape[0] == 1:
-                return self._view3[0].index_select(0, idx)
-            return self._view3[self._region_ids, idx.view(-1, 1)].view(idx.numel(), self._row)
-        out = torch.empty((idx.numel(), self._row), dtype=self._dtype, device=idx.device)
+            v3 = self._view3
+            if v3.shape[0] == 1:
+                return v3[0].index_select(0, idx) if out is None else torch.index_select(v3[0], 0, idx, out=out)
+            if out is None:
+                return v3[self._region_ids, idx.view(-1, 1)].view(n, self._row)
+            torch.index_select(v3.permute(1, 0, 2), 0, idx, out=out.view(n, v3.shape[0], v3.shape[2]))
+            return out
+        if out is None:
+            out = torch.empty((n, self._row), dtype=self._dtype, device=idx.device)
         col = 0
         for v in self._views:
             out[:, col:col + v.shape[1]] = v.index_select(0, idx)
@@ -659,33 +696,42 @@ class CudaEngineMemory:
 
     def _gather_to(self, base: torch.Tensor, block_ids: Sequence[int], offsets: Sequence[int],
                    with_checksums: bool) -> list[int]:
-        """gather_into into any flat pinned uint8 tensor; without checksums returns []."""
+        """gather_into into any flat pinned uint8 tensor; without checksums returns []. Per chunk j:
+        gather kernel into staging slot j % STAGING_SLOTS (once the DMA of chunk j - STAGING_SLOTS
+        has left it), GPU CRC of the slot beside the DMA, D2H of its runs of adjacent slots."""
         bb = self.block_bytes
         n_all = len(block_ids)
+        if n_all == 0:
+            return []
+        offs = np.asarray(offsets, dtype=np.int64)
+        chunks = chunk_rows(n_all, bb)
         gpu_crc = _gpu_crc_for(self._dev) if with_checksums and crc_segment_bytes(bb) else None
         with self._inflight, torch.cuda.device(self._dev.index), self._dev.lane() as lane:
             try:
+                staging = lane.staging(chunks[0] * bb)
                 with torch.cuda.stream(lane.kernels):
                     if self._event is not None:
                         lane.kernels.wait_event(self._event)  # the engine's writes to these blocks come first
-                    idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self._dev.device)
+                    idx = _device_ids(block_ids, self._dev.device)
                     crc_dev = torch.empty(n_all, dtype=torch.int32, device=self._dev.device) if gpu_crc else None
+                free_after: list[torch.cuda.Event | None] = [None] * STAGING_SLOTS
                 done = []
                 lo = 0
-                for k in chunk_rows(n_all, bb):
+                for j, k in enumerate(chunks):
+                    slot = j % STAGING_SLOTS
+                    staged = staging[slot, :k * bb].view(self._dtype).view(k, self._row)
                     with torch.cuda.stream(lane.kernels):
-                        staged = self._gather_dev(idx[lo:lo + k])
+                        if free_after[slot] is not None:
+                            lane.kernels.wait_event(free_after[slot])  # chunk j - STAGING_SLOTS has left the slot
+                        self._gather_dev(idx[lo:lo + k], out=staged)
                         gathered = lane.kernels.record_event()
                         if gpu_crc is not None:  # on the kernel stream, beside the DMA of the same chunk
                             gpu_crc.rows(staged, bb, crc_dev[lo:lo + k], lane.kernels)
                     lane.dma.wait_event(gathered)
                     with torch.cuda.stream(lane.dma):
-                        for first, n, off in runs(offsets[lo:lo + k], bb):
-                            dst = base[off:off + n * bb].view(self._dtype).view(n, self._row)
-                            dst.copy_(staged[first:first + n], non_blocking=True)
-                        staged.record_stream(lane.dma)  # its memory is reused only after this copy
-                        done.append((lo, k, lane.dma.record_event()))
-                    del staged
+                        self._copy_runs_out(staged, base, runs(offs[lo:lo + k], bb), lane.dma)
+                        free_after[slot] = ev = lane.dma.record_event()
+                    done.append((lo, k, ev))
                     lo += k
                 sums: list[int] = []
                 if gpu_crc is not None:
@@ -693,13 +739,13 @@ class CudaEngineMemory:
                     with torch.cuda.stream(lane.kernels):
                         crc_host.copy_(crc_dev, non_blocking=True)
                     lane.kernels.synchronize()
-                    sums = [v & 0xFFFFFFFF for v in crc_host.tolist()]
+                    sums = crc_host.numpy().view(np.uint32).tolist()
                 futures = []
                 pool = _crc_executor() if with_checksums and gpu_crc is None else None
                 for lo, k, ev in done:
                     ev.synchronize()
                     if pool is not None:
-                        for first, n, off in runs(offsets[lo:lo + k], bb):
+                        for first, n, off in runs(offs[lo:lo + k], bb):
                             futures.append(pool.submit(_crc_rows, base.data_ptr() + off, n, bb))
                 for f in futures:
                     sums.extend(f.result())
@@ -708,26 +754,9 @@ class CudaEngineMemory:
         return sums
 
     def scatter(self, block_ids: Sequence[int], srcs: Sequence[torch.Tensor]) -> None:
-        bb = self.block_bytes
         if len(block_ids) != len(srcs):
             raise ValueError(f"{len(block_ids)} block ids but {len(srcs)} source buffers")
-        with self._inflight, torch.cuda.device(self._dev.index), self._dev.lane() as lane:
-            try:
-                with torch.cuda.stream(lane.kernels):
-                    idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self._dev.device)
-                lo = 0
-                for k in chunk_rows(len(block_ids), bb):
-                    with torch.cuda.stream(lane.dma):
-                        staged = torch.empty((k, self._row), dtype=self._dtype, device=self._dev.device)
-                        self._copy_in(staged, srcs[lo:lo + k], lane.dma)
-                    lane.kernels.wait_stream(lane.dma)
-                    with torch.cuda.stream(lane.kernels):
-                        self._scatter_dev(idx[lo:lo + k], staged)
-                        staged.record_stream(lane.kernels)
-                    del staged
-                    lo += k
-            finally:
-                lane.synchronize()  # the Load reply promises the bytes are in the engine's memory
+        self._scatter_chunks(block_ids, lambda staged, lo, k, stream: self._copy_in(staged, srcs[lo:lo + k], stream))
 
     def scatter_from(self, block_ids: Sequence[int], arena: HostArena, offsets: Sequence[int]) -> None:
         """Host arena slots (pinned) -> engine GPU: per chunk the H2D copies of its runs of adjacent
@@ -737,24 +766,63 @@ class CudaEngineMemory:
         if len(block_ids) != len(offsets):
             raise ValueError(f"{len(block_ids)} block ids but {len(offsets)} slots")
         base = arena.base
+        offs = np.asarray(offsets, dtype=np.int64)
+
+        def fill(staged: torch.Tensor, lo: int, k: int, stream: torch.cuda.Stream) -> None:
+            self._copy_runs_in(staged, [(first, n, base[off:off + n * bb]) for first, n, off in runs(offs[lo:lo + k], bb)],
+                               stream)
+        self._scatter_chunks(block_ids, fill)
+
+    def _scatter_chunks(self, block_ids: Sequence[int], fill) -> None:
+        """Per chunk j: fill(staged, first, rows, dma stream) puts its host bytes into staging slot
+        j % STAGING_SLOTS (once the scatter of chunk j - STAGING_SLOTS is done with it), then one
+        scatter kernel on the other stream. Returns once the bytes are in the engine's memory."""
+        bb = self.block_bytes
+        n_all = len(block_ids)
+        if n_all == 0:
+            return
+        chunks = chunk_rows(n_all, bb)
         with self._inflight, torch.cuda.device(self._dev.index), self._dev.lane() as lane:
             try:
+                staging = lane.staging(chunks[0] * bb)
                 with torch.cuda.stream(lane.kernels):
-                    idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self._dev.device)
+                    idx = _device_ids(block_ids, self._dev.device)
+                free_after: list[torch.cuda.Event | None] = [None] * STAGING_SLOTS
                 lo = 0
-                for k in chunk_rows(len(block_ids), bb):
+                for j, k in enumerate(chunks):
+                    slot = j % STAGING_SLOTS
+                    staged = staging[slot, :k * bb].view(self._dtype).view(k, self._row)
+                    if free_after[slot] is not None:
+                        lane.dma.wait_event(free_after[slot])  # chunk j - STAGING_SLOTS was scattered out of it
                     with torch.cuda.stream(lane.dma):
-                        staged = torch.empty((k, self._row), dtype=self._dtype, device=self._dev.device)
-                        self._copy_runs_in(staged, [(first, n, base[off:off + n * bb])
-                                                    for first, n, off in runs(offsets[lo:lo + k], bb)], lane.dma)
-                    lane.kernels.wait_stream(lane.dma)
+                        fill(staged, lo, k, lane.dma)
+                        copied = lane.dma.record_event()
+                    lane.kernels.wait_event(copied)
                     with torch.cuda.stream(lane.kernels):
                         self._scatter_dev(idx[lo:lo + k], staged)
-                        staged.record_stream(lane.kernels)
-                    del staged
+                        free_after[slot] = lane.kernels.record_event()
                     lo += k
             finally:
                 lane.synchronize()  # the Load reply promises the bytes are in the engine's memory
+
+    def _copy_runs_out(self, staged: torch.Tensor, base: torch.Tensor, spans: Sequence[tuple[int, int, int]],
+                       stream: torch.cuda.Stream) -> None:
+        """D2H of staged rows into (first row, rows, byte offset in base) runs of host slots: one copy
+        per run, or one cudaMemcpyBatchAsync for all of them when there are many (a fragmented arena:
+        thousands of cudaMemcpyAsync calls would make the CPU, not the DMA engine, the limit)."""
+        global _batch_copy_ok
+        bb = self.block_bytes
+        if len(spans) > MAX_RUN_COPIES and _batch_copy_ok:
+            src, dst = staged.data_ptr(), base.data_ptr()
+            try:
+                if _rt().memcpy_batch([dst + off for _, _, off in spans], [src + first * bb for first, _, _ in spans],
+                                      [n * bb for _, n, _ in spans], stream.cuda_stream):
+                    return
+            except Exception as e:  # an older driver or runtime: fall back to one copy per run
+                log.warning("cudaMemcpyBatchAsync failed (%s); using one copy per run from now on", e)
+            _batch_copy_ok = False
+        for first, n, off in spans:
+            base[off:off + n * bb].view(self._dtype).view(n, self._row).copy_(staged[first:first + n], non_blocking=True)
 
     def _copy_runs_in(self, staged: torch.Tensor, spans: Sequence[tuple[int, int, torch.Tensor]],
                       stream: torch.cuda.Stream) -> None:
