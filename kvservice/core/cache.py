@@ -17,6 +17,7 @@ Moves between tiers live in tiers.Tiers; the policies in eviction and retention.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import time
@@ -75,6 +76,7 @@ class BlockCache:
     # --- lifecycle
     async def start(self) -> int:
         """Open the I/O backend, recover the disk tier, start the writers. Returns blocks recovered."""
+        _tune_gc()
         io = self._io if self._io is not None else open_backend(self.config.io_backend)
         self._io = throttled(io, self.config.disk_read_bytes_per_second, self.config.disk_write_bytes_per_second)
         # the host tier's memory, all of it, now: pinned where engines copy over PCIe
@@ -760,6 +762,19 @@ class BlockCache:
             if disk != t.disk.used_bytes:
                 problems.append(f"disk tier accounts {t.disk.used_bytes} bytes, its blocks hold {disk}")
         return problems
+
+
+GC_YOUNG_THRESHOLD = 50_000  # allocations between young collections (CPython's default: 700)
+
+
+def _tune_gc() -> None:
+    """A Store of 4096 blocks makes ~10k long-lived objects (entries and their keys, no cycles
+    among them): at CPython's default thresholds that is a dozen young collections per call and a
+    full one (a walk of every entry in the daemon) every few calls - measured 1.6 -> 0.6 us per
+    new entry with 200k live. Collect young objects less often; cycles are still collected."""
+    young, mid, old = gc.get_threshold()
+    if young and young < GC_YOUNG_THRESHOLD:
+        gc.set_threshold(GC_YOUNG_THRESHOLD, max(mid, 20), max(old, 50))
 
 
 def _fail_unanswered(results: StoreResults | LoadResults, failed: int) -> None:

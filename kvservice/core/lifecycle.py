@@ -175,19 +175,18 @@ class Lifecycle:
             self.release(e)
 
     def evict_many(self, entries: Sequence[Entry]) -> None:
-        """RESIDENT -> NONE for a batch of victims nothing pins (one arena call per batch)."""
+        """RESIDENT -> NONE for a batch of victims (one arena call per block size); a pinned one
+        waits for its last unpin as with evict()."""
         host = self.host
+        host.lru_discard_many(entries)
         free: list[int] = []
-        size = 0
+        size = entries[0].size if entries else 0
         for e in entries:
-            if e.pins or e.staged or e.spilling or (size and e.size != size):
-                self.evict(e, keep_slot=False)
+            if e.pins or e.staged or e.spilling or e.slot < 0 or e.size != size:
+                self.release(e)
                 continue
-            size = e.size
-            host.lru_discard(e)
             free.append(e.slot)
             e.slot = -1
-            e.release_pending = False
         if free:
             host.arena.free(free, size)
             host.used_bytes -= len(free) * size
@@ -256,6 +255,10 @@ class Lifecycle:
         """-> (absent): neither copy is left (or an admin evict / a discard)."""
         self.retention.forget(e)
         self.index.remove(e)
+
+    def forget_many(self, entries: Sequence[Entry]) -> None:
+        self.retention.forget_many(entries)
+        self.index.remove_many(entries)
 
     # --- prefetch leases
     def lease(self, owner: SessionId, e: Entry, now: float, seconds: float, staged: bool) -> int:

@@ -18,6 +18,8 @@ import asyncio
 import functools
 import gc
 import logging
+import operator
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -41,6 +43,7 @@ from kvservice.core.types import BlockHash, BlockKey, NamespaceId
 from kvservice.disk.write_queue import WriteQueue
 
 log = logging.getLogger(__name__)
+_namespace_of = operator.attrgetter("key.namespace")
 
 SPILL_BATCH_BYTES = 32 << 20  # spills one writer hands the disk tier at once (one DiskStore.write)
 
@@ -378,14 +381,8 @@ class Tiers:
         return [e for e in rest if self._evict_from_host(e, now)]
 
     def _count_by_ns(self, entries: list[Entry], counter: str) -> None:
-        if not entries:
-            return
-        ns = entries[0].namespace
-        if all(e.namespace == ns for e in entries):
-            self.stats.bump(ns, counter, len(entries))
-            return
-        for e in entries:
-            self.stats.bump(e.namespace, counter)
+        for ns, k in Counter(map(_namespace_of, entries)).items():
+            self.stats.bump(ns, counter, k)
 
     def _drop(self, e: Entry) -> None:
         self.life.evict(e, keep_slot=False)

@@ -93,6 +93,9 @@ class HostTier:
     def lru_discard(self, entry: Entry) -> None:
         self._lru.discard(entry)
 
+    def lru_discard_many(self, entries: Sequence[Entry]) -> None:
+        self._lru.discard_many(entries)
+
     def touch(self, chain: Sequence[Entry]) -> None:
         self._lru.touch_present(chain)
 

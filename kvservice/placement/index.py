@@ -133,6 +133,14 @@ class BlockIndex:
         if d is not None and d.get(entry.key.hash) is entry:
             del d[entry.key.hash]
 
+    def remove_many(self, entries: Sequence[Entry]) -> None:
+        by_ns = self._by_ns
+        for e in entries:
+            ns, h = e.key
+            d = by_ns.get(ns)
+            if d is not None and d.get(h) is e:
+                del d[h]
+
     def __len__(self) -> int:
         return sum(len(d) for d in self._by_ns.values())
 

@@ -42,6 +42,11 @@ class ChainLRU:
     def discard(self, entry: Entry) -> None:
         self._order.pop(entry, None)
 
+    def discard_many(self, entries: Iterable[Entry]) -> None:
+        pop = self._order.pop
+        for e in entries:
+            pop(e, None)
+
     def __contains__(self, entry: Entry) -> bool:
         return entry in self._order
 

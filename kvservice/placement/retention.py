@@ -9,6 +9,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections.abc import Sequence
 
 from kvservice.placement.index import Entry
 from kvservice.core.types import BlockKey, CacheError, ErrorCode, NamespaceId
@@ -86,3 +87,9 @@ class Retention:
         if len(heap) > 2 * len(counted) + 1024:  # superseded items of re-retained blocks: rebuild
             heap[:] = [(e.deadline, next(self._seq), e) for e in counted.values()]
             heapq.heapify(heap)
+    def forget_many(self, entries: Sequence[Entry]) -> None:
+        """forget() for each; entries never retained (deadline 0) cost one comparison."""
+        for e in entries:
+            if e.deadline:
+                self.forget(e)
+
