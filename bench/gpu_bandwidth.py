@@ -279,6 +279,7 @@ def host_tier(pool, workdir: Path, sizes: list[int], batch: int, reps: int,
                     return next((x.sum for x in d.admin("Stats").latencies if x.name == name), 0.0)
                 try:
                     st, lt, dst_t, dlt, exact, first = [], [], [], [], True, 0.0
+                    rounds: list[list[float]] = []  # per round: store, daemon's store, load, daemon's load (ms)
                     for rep in range(reps + WARMUP):
                         rng.shuffle(ids)
                         src, dst = ids[:n], ids[n:2 * n]
@@ -286,33 +287,36 @@ def host_tier(pool, workdir: Path, sizes: list[int], batch: int, reps: int,
                         ds0 = daemon_seconds("store")
                         t0 = time.perf_counter()
                         rs = c.store(hs, src)
-                        t1 = time.perf_counter()
+                        t_store = time.perf_counter() - t0
                         ds1 = daemon_seconds("store")
                         _check(rs, 1, "Store")
                         if rep == 0:
-                            first = t1 - t0  # the first Store of this namespace (of the daemon, for the first row)
+                            first = t_store  # the first Store of this namespace (of the daemon, for the first row)
                         view.poison(dst)
                         dl0 = daemon_seconds("load")
                         t1 = time.perf_counter()
                         rs = c.load(hs, dst)
-                        t2 = time.perf_counter()
+                        t_load = time.perf_counter() - t1
                         dl1 = daemon_seconds("load")
                         _check(rs, 1, "Load", tier=2)
                         if rep >= WARMUP:
-                            st.append(t1 - t0)
-                            lt.append(t2 - t1)
+                            st.append(t_store)
+                            lt.append(t_load)
                             dst_t.append(ds1 - ds0)
                             dlt.append(dl1 - dl0)
                         exact = exact and view.blocks_equal(src, dst)  # every load, byte for byte
+                        rounds.append([round(1e3 * x, 2) for x in (t_store, ds1 - ds0, t_load, dl1 - dl0)])
                     row = {"block_kib": kib, "layout": layout, "blocks": n, "batch_bytes": n * bb,
                            "store_gbps": n * bb / statistics.median(st) / 1e9,
                            "store_first_gbps": n * bb / first / 1e9,
                            "load_gbps": n * bb / statistics.median(lt) / 1e9, "exact": exact,
                            "daemon_store_gbps": n * bb / max(1e-9, statistics.median(dst_t)) / 1e9,
-                           "daemon_load_gbps": n * bb / max(1e-9, statistics.median(dlt)) / 1e9}
+                           "daemon_load_gbps": n * bb / max(1e-9, statistics.median(dlt)) / 1e9,
+                           "rounds_ms": rounds}
                     print(f"  host {layout:16s} {kib:5d} KiB: store {row['store_gbps']:.1f} GB/s "
                           f"(first {row['store_first_gbps']:.1f}), "
-                          f"load {row['load_gbps']:.1f} GB/s, exact={exact}", flush=True)
+                          f"load {row['load_gbps']:.1f} GB/s, exact={exact}; rounds (store, daemon, load, daemon ms): "
+                          f"{rounds}", flush=True)
                     out.append(row)
                 finally:
                     c.close()
