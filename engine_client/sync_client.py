@@ -9,8 +9,10 @@ issue loads and keep scheduling other requests while they land.
 Lookup is the latency-bound call (DESIGN §7: p50 <= 0.3 ms for 1024 hashes), and the hop to the
 loop thread and back costs about as much as the daemon's work (0.2-0.4 ms measured on the H200
 host and on a 2-CPU box). So `lookup` / `submit_lookup` go out from the caller's thread on a
-synchronous gRPC channel to the same data socket, with the async client's session; a detaching
-failure hands the detach to the loop (the supervisor re-attaches as for any other call).
+synchronous gRPC channel to the same data socket, with the async client's session, whenever that
+channel is READY (after a daemon restart it backs off like any channel: until it reconnects,
+Lookup takes the async client's path, which waits for its own channel). A detaching failure hands
+the detach to the loop (the supervisor re-attaches as for any other call).
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ class KVClient:
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvclient-loop", daemon=True)
         self._thread.start()
         self._stopped = False
-        self._sync_lock = threading.Lock()
-        self._sync: tuple[str, grpc.Channel, kvcache_pb2_grpc.KVCacheStub] | None = None  # (target, channel, stub)
+        self._caller_lock = threading.Lock()
+        self._caller: _CallerChannel | None = None
 
     # --- state (plain attribute reads of the async client: safe from any thread)
     @property
@@ -83,9 +85,17 @@ class KVClient:
     def hasher(self) -> BlockHasher:
         return self._client.hasher
 
+    @property
+    def lookup_channel_ready(self) -> bool:
+        """Whether Lookup goes out on the caller's thread now (its synchronous channel is READY)."""
+        ch = self._caller
+        return ch is not None and ch.ready and ch.target == self._client.data_target
+
     # --- blocking calls
     def connect(self, required: bool = True) -> None:
         self._run(self._client.connect(required))
+        if self._client.data_target:
+            self._caller_channel(self._client.data_target)  # connects now: the first Lookup finds it READY
 
     def lookup(self, hashes: Sequence[bytes]) -> tuple[int, list[int]]:
         plan = self._lookup_plan(hashes)
@@ -160,21 +170,22 @@ class KVClient:
             return None, None, None
         if session.max_batch_blocks and len(hashes) > session.max_batch_blocks:
             return None
+        ch = self._caller_channel(c.data_target)
+        if not ch.ready:
+            return None
         request = kvcache_pb2.LookupRequest(session_id=session.session_id, hashes=_pack(hashes))
-        return session, request, self._sync_stub(c.data_target)
+        return session, request, ch.stub
 
-    def _sync_stub(self, target: str) -> kvcache_pb2_grpc.KVCacheStub:
-        sync = self._sync
-        if sync is not None and sync[0] == target:
-            return sync[2]
-        with self._sync_lock:  # first call, or the daemon named another data socket on re-attach
-            if self._sync is None or self._sync[0] != target:
-                old = self._sync
-                channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
-                self._sync = (target, channel, kvcache_pb2_grpc.KVCacheStub(channel))
+    def _caller_channel(self, target: str) -> _CallerChannel:
+        ch = self._caller
+        if ch is not None and ch.target == target:
+            return ch
+        with self._caller_lock:  # first call, or the daemon named another data socket on re-attach
+            if self._caller is None or self._caller.target != target:
+                old, self._caller = self._caller, _CallerChannel(target)
                 if old is not None:
-                    old[1].close()
-            return self._sync[2]
+                    old.close()
+            return self._caller
 
     def _lookup_failed(self, session, err: grpc.RpcError) -> tuple[int, list[int]]:
         """As AsyncKVClient._call: a detaching code answers as an empty cache would, and the loop detaches."""
@@ -195,10 +206,10 @@ class KVClient:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
             self._loop.close()
-            with self._sync_lock:
-                sync, self._sync = self._sync, None
-            if sync is not None:
-                sync[1].close()
+            with self._caller_lock:
+                ch, self._caller = self._caller, None
+            if ch is not None:
+                ch.close()
 
     def __enter__(self) -> KVClient:
         if not self._client.connected:
@@ -219,3 +230,22 @@ class KVClient:
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self._submit(coro).result()
+
+
+class _CallerChannel:
+    """A synchronous channel to the data socket for calls sent from the caller's thread; `ready`
+    follows its connectivity (gRPC calls back on its own thread on every change)."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self.stub = kvcache_pb2_grpc.KVCacheStub(self.channel)
+        self.ready = False
+        self.channel.subscribe(self._changed, try_to_connect=True)
+
+    def _changed(self, state: grpc.ChannelConnectivity) -> None:
+        self.ready = state == grpc.ChannelConnectivity.READY
+
+    def close(self) -> None:
+        self.channel.unsubscribe(self._changed)
+        self.channel.close()

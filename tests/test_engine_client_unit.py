@@ -702,6 +702,10 @@ def test_sync_client_lookup_goes_out_on_the_callers_thread(daemon, socket_path, 
     with KVClient(socket_path, NS, pool, client_name="sync") as client:
         hashes = client.hasher.hash_blocks(range(12))
         assert [r.status for r in client.store(hashes[:2], [0, 1])] == [kvcache_pb2.STORED] * 2
+        deadline = time.monotonic() + 10
+        while not client.lookup_channel_ready and time.monotonic() < deadline:  # it connects at connect()
+            time.sleep(0.01)
+        assert client.lookup_channel_ready
         gate = threading.Event()
         client._loop.call_soon_threadsafe(gate.wait, 30)  # the loop thread is blocked until gate is set
         try:
@@ -721,6 +725,36 @@ def test_sync_client_lookup_goes_out_on_the_callers_thread(daemon, socket_path, 
             time.sleep(0.01)
         assert client.attached and client.session_id != old
         assert client.lookup(hashes) == (2, [kvcache_pb2.TIER_HOST] * 2)
+
+
+def test_sync_client_lookup_waits_out_a_restart_on_the_async_path(socket_path, pool):
+    """Scenario: the daemon restarts. Until the facade's synchronous channel has reconnected (it
+    backs off like any channel), Lookup takes the async client's path instead of failing on a
+    channel in TRANSIENT_FAILURE (which would detach the freshly re-attached client again)."""
+    first = StandInDaemon()
+    server = serve(first, socket_path)
+    client = KVClient(socket_path, NS, pool, client_name="restart")
+    client.connect()
+    try:
+        hashes = client.hasher.hash_blocks(range(12))
+        assert [r.status for r in client.store(hashes[:2], [0, 1])] == [kvcache_pb2.STORED] * 2
+        server.stop(0).wait()
+        first.shutdown()
+        assert client.lookup(hashes) == (0, [])  # the daemon is gone: an empty cache's answer
+        second = StandInDaemon()
+        second.blocks = dict(first.blocks)  # the restarted daemon still has the blocks (its disk tier)
+        server = serve(second, socket_path)
+        deadline = time.monotonic() + 10
+        while not client.attached and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert client.attached
+        answers = [client.lookup(hashes) for _ in range(20)]  # right after re-attaching
+        assert answers == [(2, [kvcache_pb2.TIER_HOST] * 2)] * 20
+        assert client.reattachments == 1
+        second.shutdown()
+    finally:
+        client.close()
+        server.stop(0).wait()
 
 
 async def test_reattach_refused_for_a_canary_mismatch_makes_data_calls_raise(daemon, socket_path, pool):
