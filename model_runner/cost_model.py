@@ -23,9 +23,14 @@ bytes then scale linearly), while its newest observation is younger than stale_s
 (within SURPRISE x) with what the fit predicted for it. Outside that (a tier never loaded, a load much
 bigger or smaller than any seen, an estimate gone stale or contradicted) the tier is uncertain. The
 plan then compares its choice with the one it would make were the uncertain tiers free; where the two
-differ it loads the optimistic choice -- explores -- at most once per explore_gap_s per tier, so that a
-tier that looked slow once is measured again, a tier that is slow is not loaded from on every request,
-and exploring a small uncertain share of a prefix never drags a slow known tier along. Every method
+differ it loads the optimistic choice -- explores -- at most once per explore_gap_s per tier (a tier's
+first two loads, the warm-up and the one that measures it, as they come), so that a tier that looked
+slow once is measured again, a tier that is slow is not loaded from on every request, and exploring a
+small uncertain share of a prefix never drags a slow known tier along. A tier measured before is
+re-explored with at most EXPLORE_CAP_BYTES of it (a bandwidth-bound load, not a whole history from a
+slow disk); a tier never loaded from alone (every Load mixed it with a deeper one) is estimated as no
+slower than the deeper tier. A prefetch's reads (observe_staged) measure the disk without a Load and
+count as its exploration. Every method
 takes no time itself: `clock` (monotonic seconds) is injected, so tests drive it by hand.
 """
 
@@ -42,6 +47,7 @@ WINDOW = 16  # observations kept per tier
 DECAY = 0.7  # weight of an observation relative to the next newer one
 SURPRISE = 2.0  # an observation this many times off the fit's prediction makes the tier uncertain
 BANDWIDTH_BOUND = 0.2  # a fit whose fixed cost is at most this share of its largest load extrapolates upward
+EXPLORE_CAP_BYTES = 256 << 20  # an exploration of a tier measured before loads at most this much of it
 
 
 class Plan(NamedTuple):
@@ -65,11 +71,12 @@ class LoadFit:
 class _TierLoads:
     """Recent (bytes, seconds, when) of one tier and the affine fit through them."""
 
-    __slots__ = ("last_explore", "obs", "prior_latency", "seen", "surprised")
+    __slots__ = ("explored", "last_explore", "obs", "prior_latency", "seen", "surprised")
 
     def __init__(self) -> None:
         self.obs: deque[tuple[float, float, float]] = deque(maxlen=WINDOW)
         self.last_explore = float("-inf")
+        self.explored = 0  # explorations planned, ever
         self.prior_latency = 0.0  # used while all observations have one size
         self.seen = 0  # loads observed, ever
         self.surprised = False  # the newest observation disagreed with the fit before it
@@ -240,7 +247,9 @@ class CostModel:
         f, state = self.fit(shallow), self._tiers.get(shallow)
         if f is not None and state is not None and state.certain_for(nbytes, now, self.stale_s):
             seconds += nbytes * f.seconds_per_byte
-        self._tiers.setdefault(deep, _TierLoads()).add(nbytes, seconds, now)
+        t = self._tiers.setdefault(deep, _TierLoads())
+        t.add(nbytes, seconds, now)
+        t.last_explore = now  # measured just now: exploring it by a Load within explore_gap_s adds nothing
 
     def estimate(self, tiers: Sequence[int], block_bytes: int) -> float | None:
         """Expected seconds of one Load of these blocks (tier of each), None while a tier has no fit."""
@@ -272,22 +281,48 @@ class CostModel:
             count[t] = count.get(t, 0) + 1
         uncertain = [t for t, n in count.items()
                      if t not in self._tiers or not self._tiers[t].certain_for(n * block_bytes, now, self.stale_s)]
-        if flops_per_s is None or any(t not in self._tiers or not self._tiers[t].obs for t in count):
+        if flops_per_s is None:
             return Plan(len(tiers), "explore")  # nothing to compare with yet: loading is how it gets measured
-        fits = {t: self.fit(t) for t in count}
+        known = {t: self.fit(t) for t in self._tiers}
+        fits: dict[int, LoadFit | None] = {}
+        for t in count:
+            f = known.get(t)
+            if f is None:  # never loaded from: a shallower tier is taken to be no slower than a deeper one
+                f = next((known[d] for d in sorted(known) if d > t and known[d] is not None), None)
+            fits[t] = f  # None: no estimate at all (not loaded unless explored)
         best = self._best(tiers, fits, block_bytes, tokens_per_block, ctx, flops_per_s)
         if uncertain:
             free = LoadFit(0.0, 0.0)
             hopeful = self._best(tiers, {t: free if t in uncertain else f for t, f in fits.items()}, block_bytes,
                                  tokens_per_block, ctx, flops_per_s)
             if hopeful != best:
-                explorable = [t for t in uncertain if t in tiers[:hopeful]
-                              and now - self._tiers.setdefault(t, _TierLoads()).last_explore >= self.explore_gap_s]
+                explorable = [t for t in uncertain if t in tiers[:hopeful] and self._may_explore(t, now)]
                 if explorable:
                     for t in explorable:
                         self._tiers[t].last_explore = now
-                    return Plan(hopeful, "explore")
+                        self._tiers[t].explored += 1
+                    return Plan(max(best, self._explore_cap(tiers[:hopeful], uncertain, block_bytes)), "explore")
         return Plan(best, "load" if best else "recompute")
+
+    def _may_explore(self, tier: int, now: float) -> bool:
+        """At most once per explore_gap_s -- but a tier's first two loads (a warm-up and the one that
+        measures it) are explored as they come."""
+        t = self._tiers.setdefault(tier, _TierLoads())
+        return now - t.last_explore >= self.explore_gap_s or (t.seen < 2 and t.explored < 2)
+
+    def _explore_cap(self, prefix: Sequence[int], uncertain: list[int], block_bytes: int) -> int:
+        """The explored prefix, cut where it holds EXPLORE_CAP_BYTES of tiers measured before (beyond a
+        first, warm-up load): such a tier is re-measured with a bandwidth-bound load, not a whole history read
+        from a slow disk (2 s on the request's path); a tier loaded from once at most is explored with all of it."""
+        seen = {t for t in uncertain if self._tiers[t].seen >= 2}
+        cap = max(1, EXPLORE_CAP_BYTES // block_bytes)
+        n = 0
+        for i, t in enumerate(prefix):
+            if t in seen:
+                n += 1
+                if n > cap:
+                    return i
+        return len(prefix)
 
     def _best(self, tiers: Sequence[int], fits: dict[int, LoadFit | None], block_bytes: int, tokens_per_block: int,
               ctx: int, flops_per_s: float) -> int:
@@ -296,9 +331,10 @@ class CostModel:
         byte_s, latency = 0.0, 0.0
         for k, tier in enumerate(tiers, 1):
             f = fits[tier]
-            if f is not None:
-                byte_s += block_bytes * f.seconds_per_byte
-                latency = max(latency, f.latency_s)
+            if f is None:
+                break  # no estimate for this tier: not loaded (from here on) unless explored
+            byte_s += block_bytes * f.seconds_per_byte
+            latency = max(latency, f.latency_s)
             gain = self._flops(k * tokens_per_block, ctx) / flops_per_s - (latency + byte_s)
             if gain > best_gain:
                 best, best_gain = k, gain

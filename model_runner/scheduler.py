@@ -443,8 +443,9 @@ class Scheduler:
                 return 0, []  # unanswered in time: a miss
             # No Lookup in flight (the service was down at enqueue) or GPU blocks evicted since: ask now.
             return self.client.lookup(rest)
-        except KVClientError as err:
+        except KVClientError as err:  # unanswered: the client detaches (asynchronously) and re-attaches
             log.warning("lookup failed: %s", err)
+            seq.kv_source = "recomputed:service-down"
             return 0, []
 
     def _plan_load(self, seq: Seq, rest: list[BlockHash]) -> tuple[int, list[int]]:

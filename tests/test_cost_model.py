@@ -242,5 +242,29 @@ def test_a_fit_of_one_size_or_of_latency_dominated_loads_is_not_extrapolated() -
         for n, seconds in loads:
             cm.observe_load([HOST] * n, BLOCK, seconds)
             clock.t += 1
-        assert cm.plan([HOST] * 200, BLOCK, TPB, 0) == Plan(200, "explore")
+        assert cm.plan([HOST] * 200, BLOCK, TPB, 0).reason == "explore"
     assert cm.estimate([DISK], BLOCK) is None  # never measured
+
+
+def test_a_tier_never_loaded_alone_is_explored_twice_then_at_most_once_per_gap_and_capped() -> None:
+    """Scenario (the CPU reproduction of the disk setting, prefetch 0): every stored prefix is part host,
+    part disk, so the host tier is never measured alone (a mixed Load is charged to the disk). The first
+    two such prefixes are loaded whole (the disk's warm-up and its measurement); after that an unmeasured
+    host tier is taken to be no slower than the disk (slower than prefill here: recompute), explored at
+    most once per explore_gap_s, and a re-measure of the disk, once stale, loads 256 MiB of it, not the
+    whole 1.9 GB history."""
+    clock = Clock()
+    cm = CostModel(flops, clock=clock, explore_gap_s=10.0, stale_s=30.0)
+    cm.observe_prefill(1000, 0, 0.25)  # 4 ms a block
+    mixed = [HOST] * 300 + [DISK] * 645
+    for _ in range(2):
+        assert cm.plan(mixed, BLOCK, TPB, 0) == Plan(945, "explore")
+        cm.observe_load(mixed, BLOCK, 0.005 + 645 * BLOCK / 0.5e9)  # the host bytes' time is not known
+        clock.t += 1
+    assert cm.plan(mixed, BLOCK, TPB, 0) == Plan(0, "recompute")  # explored < 10 s ago
+    clock.t += 10
+    assert cm.plan(mixed, BLOCK, TPB, 0) == Plan(300, "explore")  # the host part only: the disk is known
+    clock.t += 1
+    assert cm.plan(mixed, BLOCK, TPB, 0) == Plan(0, "recompute")
+    clock.t += 40  # the disk estimate is stale: re-measured with 128 blocks (256 MiB)
+    assert cm.plan([DISK] * 945, BLOCK, TPB, 0) == Plan(128, "explore")
