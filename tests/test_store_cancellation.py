@@ -119,6 +119,56 @@ async def test_a_store_cancelled_during_its_copy_leaves_no_room_entry_or_pin(tmp
         pool.close()
 
 
+async def test_a_store_of_blocks_another_store_is_copying_answers_by_that_stores_outcome(tmp_path, monkeypatch):
+    """Scenario: Store A of blocks 0-1 is copying them in (its gather held at a gate) when Store B
+    of blocks 0-2, from another engine of the namespace, arrives. B stores 2 and waits for A's
+    outcome for 0-1. First A commits: B answers ALREADY_STORED for 0-1, retained as B asked.
+    Then, the same with A cancelled during its copy: B answers NOT_STORED for 0-1 (never an
+    acknowledgement of bytes nobody kept) and 0-1 store again byte-exact."""
+    gate = Gate()
+    real = ShmEngineMemory.gather_into
+    async with started_cache(small_config(tmp_path, host_capacity_bytes=8 * 4096)) as cache:
+        pool_a, pool_b = Pool(), Pool()
+        a, b = Engine(cache, pool_a), Engine(cache, pool_b)
+        mem_a = cache._sessions.get(a.sid).memory
+
+        def gather_a_waits(self, block_ids, arena, offsets):
+            if self is mem_a:
+                gate.wait()
+            return real(self, block_ids, arena, offsets)
+
+        monkeypatch.setattr(ShmEngineMemory, "gather_into", gather_a_waits)
+        for first, cancel_a in (([0, 1], False), ([10, 11], True)):
+            gate.open.clear()
+            gate.entered.clear()
+            task_a = asyncio.ensure_future(a.store(first))
+            await until(gate.entered.is_set, "A's gather to start")
+            task_b = asyncio.ensure_future(b.store(first + [first[1] + 1], ttl=60.0))
+            await asyncio.sleep(0.05)
+            assert not task_b.done(), "B answers 0-1 once A's outcome is known"
+            if cancel_a:
+                await cancelled(task_a)
+                gate.open.set()
+            else:
+                gate.open.set()
+                assert [r.status for r in await task_a] == [StoreStatus.STORED] * 2
+            rs = await task_b
+            want = StoreStatus.NOT_STORED if cancel_a else StoreStatus.ALREADY_STORED
+            assert [r.status for r in rs] == [want, want, StoreStatus.STORED], [r.message for r in rs]
+            if cancel_a:
+                assert "did not complete" in rs[0].message
+            else:
+                assert rs[0].deadline > 0 and rs[1].deadline > 0
+            # A's slots go back once its copy thread is done (a done callback on the loop)
+            await until(lambda: gate.inside == 0 and not cache.tiers.life.aborted, "A's copy to end")
+            assert cache.audit() == []
+            if cancel_a:
+                await restore_works(a, first)
+        assert cache.audit() == []
+        pool_a.close()
+        pool_b.close()
+
+
 async def test_a_store_cancelled_while_waiting_for_the_write_queue_rolls_back_and_spills_go_on(tmp_path):
     """Scenario: the host tier (4 blocks) is full of blocks 0-3; the one writer is stuck in a
     slow disk write and the queue (depth 1) is full, so a Store of 4-6, which evicts 1-3 (a

@@ -287,10 +287,11 @@ class BlockCache:
         entries = life.reserve(blocks, ns, new_hashes, size, now)
         touched.extend((i, blocks[hs[i]]) for i in dups)
         try:
-            if touched:
-                await self._store_hits(touched, ttl, now, results)
+            pending = await self._store_hits(touched, ttl, now, results) if touched else []
             if entries:
                 await self._store_new(s, new_pos, entries, [ids[i] for i in new_pos], ttl, now, results)
+            if pending:  # after our own blocks: two Stores that wait for each other's both commit first
+                await self._store_pending(pending, ttl, now, results)
         finally:
             life.rollback(entries)  # whatever is still not ready was reserved by this call and never committed
         if entries and entries[0].ready and self.namespaces.fix_canary(s.namespace, s.canary):
@@ -300,9 +301,10 @@ class BlockCache:
         return results
 
     async def _store_hits(self, touched: list[tuple[int, Entry]], ttl: float, now: float,
-                          results: StoreResults) -> None:
+                          results: StoreResults) -> list[tuple[int, Entry]]:
         """Blocks of a Store that are stored already: touched, and retained if asked. Hits are
-        retained first: a block this Store retains is no victim of its own evictions."""
+        retained first: a block this Store retains is no victim of its own evictions. Returns the
+        hits another call is still copying in (answered by _store_pending)."""
         t = self._t
         self.stats.bump(touched[0][1].namespace, "store_hits", len(touched))
         hit = [e for _, e in touched]
@@ -310,9 +312,33 @@ class BlockCache:
         if t.disk is not None:
             t.disk.touch(hit)
         persist: list[Entry] = []
+        pending: list[tuple[int, Entry]] = []
         for i, e in touched:
-            if not e.ready:  # a concurrent Store is copying it in
-                results.set(i, StoreStatus.ALREADY_STORED)
+            if not e.ready:  # a concurrent Store is copying it in: answered once that one commits or not
+                pending.append((i, e))
+            elif ttl:
+                if self._retain_one(e, ttl, now, StoreStatus.ALREADY_STORED, results, i):
+                    persist.append(e)
+            else:
+                results.set(i, StoreStatus.ALREADY_STORED, e.deadline if e.deadline > now else 0.0)
+        for e in persist:
+            await t.persist_deadline(e)
+        return pending
+
+    async def _store_pending(self, pending: list[tuple[int, Entry]], ttl: float, now: float,
+                             results: StoreResults) -> None:
+        """Hits that another Store was copying in: ALREADY_STORED (and retained if asked) once it
+        committed them; NOT_STORED if it was cancelled or failed - never an acknowledgement of
+        bytes nobody kept."""
+        t = self._t
+        waits = t.life.outcome([e for _, e in pending])
+        if waits:
+            await asyncio.wait(waits)
+        persist: list[Entry] = []
+        for i, e in pending:
+            if not e.ready:
+                results.set(i, StoreStatus.NOT_STORED,
+                            message="a concurrent Store of this block did not complete (cancelled or failed): store it again")
             elif ttl:
                 if self._retain_one(e, ttl, now, StoreStatus.ALREADY_STORED, results, i):
                     persist.append(e)

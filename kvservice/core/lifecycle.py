@@ -34,6 +34,7 @@ this module only moves blocks between states and keeps the counters they change.
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 from collections.abc import Iterable, Sequence
 
@@ -84,6 +85,7 @@ class Lifecycle:
         self.leases = LeaseBook()
         self.aborted: dict[int, Entry] = {}  # rolled back, slot held until the copy writing into it ends
         self.releasing: dict[int, Entry] = {}  # released while pinned: the slot goes at the last unpin
+        self._outcome: dict[int, asyncio.Future[None]] = {}  # id(reserved entry) -> resolved at commit / rollback
 
     # --- reservations (Store)
     def reserve(self, blocks: dict[bytes, Entry], ns: NamespaceId, hashes: Sequence[bytes], size: int,
@@ -111,21 +113,48 @@ class Lifecycle:
             e.ready = True
             e.pins = 0
         self.host.lru_touch(entries)
+        if self._outcome:
+            self._settle_outcomes(entries)
 
     def rollback(self, entries: Iterable[Entry], copy_running: bool = False) -> None:
         """Every entry of `entries` still not ready leaves the index now. One with a slot whose copy
         is still running (copy_running) is ABORTED: its slot goes at release_aborted(), when the copy
         thread is done; otherwise at once. Idempotent."""
+        rolled: list[Entry] = []
         for e in entries:
-            if e.ready or id(e) in self.aborted:
+            if e.ready or id(e) in self.aborted or self.index.get_any(e.key) is not e:
                 continue
             self.index.remove(e)
+            rolled.append(e)
             if e.slot < 0:
                 e.pins = 0
             elif copy_running:
                 self.aborted[id(e)] = e
             else:
                 self._free_reserved(e)
+        if self._outcome:
+            self._settle_outcomes(rolled)
+
+    def outcome(self, entries: Sequence[Entry]) -> list[asyncio.Future[None]]:
+        """Futures resolved when each of these reserved entries (another call's) is committed or
+        rolled back; await them with asyncio.wait (a cancelled waiter must not cancel them). Then
+        entry.ready says which. An entry settled already has none."""
+        loop = asyncio.get_running_loop()
+        out = []
+        for e in entries:
+            if e.ready or self.index.get_any(e.key) is not e:
+                continue
+            f = self._outcome.get(id(e))
+            if f is None:
+                f = self._outcome[id(e)] = loop.create_future()
+            out.append(f)
+        return out
+
+    def _settle_outcomes(self, entries: Iterable[Entry]) -> None:
+        for e in entries:
+            f = self._outcome.pop(id(e), None)
+            if f is not None and not f.done():
+                f.set_result(None)
 
     def release_aborted(self, entries: Iterable[Entry]) -> None:
         """The copy into ABORTED entries' slots ended: the slots go back to the arena."""
