@@ -84,7 +84,7 @@ class BlockCache:
                                pin=torch.cuda.is_available())
         self.tiers = Tiers(self.config, self._io, self.stats, self.clock.now, self.arena)
         recovered = await self.tiers.recover()
-        sizes = {e.namespace: e.size for e in self.tiers.index.values()}  # one canary read per namespace
+        sizes = self.tiers.recovered_sizes  # one canary read per namespace
         for ns_id, size in sizes.items():
             self.namespaces.known_from_disk(ns_id, size)
         self.tiers.start()

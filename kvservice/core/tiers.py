@@ -60,6 +60,7 @@ class Tiers:
         self.segments: TierIO | None = None  # disk tier v2 (disk_format "segments"), opened by recover()
         self._writing: set[int] = set()  # segment slots with a write in flight
         self._arena_bytes: np.ndarray | None = None  # the arena as numpy (HostSlots' base), made on first use
+        self.recovered_sizes: dict[NamespaceId, int] = {}  # recover(): block size of each namespace found on disk
         self.retention = Retention(config.max_ttl_seconds, config.retained_cap_bytes)
         self.life = Lifecycle(self.index, self.host, self.retention, stats)  # every block state change
         self.gate = admission_gate(config)
@@ -128,6 +129,7 @@ class Tiers:
             self.index.add(e)
             self.disk.adopt(e)
             self.retention.track(e)
+            self.recovered_sizes[e.namespace] = e.size
         # a smaller capacity than last run: evict in the usual order until it fits
         if self.disk.free_bytes < 0:
             plan = plan_disk_eviction(self.disk, 0, now, protect_unexpired=False) or []
@@ -156,18 +158,19 @@ class Tiers:
         rows = rec.rows.rec[np.argsort(rec.rows.rec["stored_at"], kind="stable")]  # oldest first
         cols = [rows[f].tolist() for f in ("loc", "ns", "hash", "length", "crc", "deadline", "stored_at", "reuse")]
         names = rec.names
+        ns_col = rows["ns"]
+        for ns in np.flatnonzero(np.bincount(ns_col)).tolist() if len(ns_col) else ():  # each namespace's block size (newest row)
+            self.recovered_sizes[names[ns]] = int(rows["length"][np.flatnonzero(ns_col == ns)[-1]])
         gc_was_on = gc.isenabled()
         gc.disable()  # millions of new objects: generational passes over them would cost more than building them
         try:
             keys = [BlockKey(names[ns], hsh) for ns, hsh in zip(cols[1], cols[2])]
-            # positional: keyword arguments make a dataclass __init__ three times slower
-            entries = [Entry(key, length, crc, stored, dl, reuse)
-                       for key, length, crc, dl, stored, reuse in zip(keys, *cols[3:])]
-            for e, loc in zip(entries, cols[0]):
-                e.disk_loc = loc
-                e.disk_deadline = e.deadline
-                if e.deadline > 0:
-                    self.retention.track(e)
+            # positional, every field up to disk_deadline: keyword arguments make a dataclass
+            # __init__ three times slower, and a loop setting the rest afterwards costs as much again
+            on_disk = DiskState.ON_DISK
+            entries = [Entry(key, length, crc, stored, dl, reuse, -1, False, False, False, on_disk, "", loc, dl)
+                       for key, loc, length, crc, dl, stored, reuse in zip(keys, cols[0], *cols[3:])]
+            self.retention.track_many([entries[i] for i in np.flatnonzero(rows["deadline"] > 0).tolist()])
             self.index.add_many(entries)
             self.disk.adopt_many(entries)
         finally:

@@ -62,17 +62,13 @@ class DiskTier:
         self.commit(entry)
 
     def adopt_many(self, entries: Sequence[Entry]) -> None:
-        """Complete blocks found at restart, oldest first: adopt() for each, in one pass."""
-        unmarked = []
-        for e in entries:
-            self.used_bytes += e.size
-            e.disk = DiskState.ON_DISK
-            if e.deadline > 0:
-                self.retained[id(e)] = e
-            else:
-                unmarked.append(e)
+        """Complete blocks found at restart, oldest first, made with disk=ON_DISK: adopt() for
+        each, in a few comprehensions (a 1M-block restart spends its time in loops like these)."""
+        assert not entries or entries[0].disk == DiskState.ON_DISK, "adopt_many takes ON_DISK entries"
+        self.used_bytes += sum([e.size for e in entries])
+        self.retained.update({id(e): e for e in entries if e.deadline > 0})
         self._on_disk += len(entries)
-        self.unmarked.append_newest(unmarked)
+        self.unmarked.append_newest([e for e in entries if e.deadline <= 0])
 
     def commit(self, entry: Entry) -> None:
         del self.queued[id(entry)]

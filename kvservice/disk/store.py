@@ -340,7 +340,7 @@ class DiskStore:
         seg_of = la >> 32
         with self._lock:
             sb_of = {int(sid): (seg.slot_bytes if (seg := self._alloc.segments.get(int(sid))) else -1)
-                     for sid in np.unique(seg_of)}
+                     for sid in set(seg_of.tolist())}
         want = np.array([sb_of[int(sid)] for sid in seg_of], dtype=np.int64) if n else np.zeros(0, np.int64)
         classes = (np.maximum(lengths, 1) + ALIGN - 1) // ALIGN * ALIGN
         for i in np.flatnonzero((classes != want) | (lengths <= 0)).tolist():
@@ -470,7 +470,7 @@ class DiskStore:
                     return
                 seg_of, slot_of = rec["loc"] >> 32, rec["loc"] & 0xFFFFFFFF
                 with self._lock:
-                    for sid in np.unique(seg_of).tolist():
+                    for sid in set(seg_of.tolist()):
                         length = self._length.get(sid)
                         if length is not None:
                             m = seg_of == sid
@@ -511,7 +511,7 @@ class DiskStore:
         have = np.zeros(n, dtype=np.int64)
         expect = np.zeros(n, dtype=np.int64)
         with self._lock:
-            for sid in np.unique(seg_of).tolist():
+            for sid in set(seg_of.tolist()):
                 length = self._length.get(sid)
                 m = np.flatnonzero(seg_of == sid)
                 if length is None:

@@ -67,6 +67,21 @@ class Retention:
             self._by_ns.setdefault(entry.namespace, {})[entry.key] = entry
             self._count(entry, -math.inf)
 
+    def track_many(self, entries: list[Entry]) -> None:
+        """track() for many entries found on disk at recovery: one heapify per namespace instead
+        of a push per entry (a 1M-block restart has ~150k retained ones)."""
+        for e in entries:
+            if e.deadline > 0:
+                ns = e.namespace
+                self._by_ns.setdefault(ns, {})[e.key] = e
+                counted = self._counted.setdefault(ns, {})
+                if id(e) not in counted:
+                    counted[id(e)] = e
+                    self._bytes[ns] = self._bytes.get(ns, 0) + e.size
+                self._heap.setdefault(ns, []).append((e.deadline, next(self._seq), e))
+        for heap in self._heap.values():
+            heapq.heapify(heap)
+
     def forget(self, entry: Entry) -> None:
         ns = self._by_ns.get(entry.namespace)
         if ns is not None and ns.get(entry.key) is entry:
