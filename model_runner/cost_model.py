@@ -26,10 +26,11 @@ plan then compares its choice with the one it would make were the uncertain tier
 differ it loads the optimistic choice -- explores -- at most once per explore_gap_s per tier (a tier's
 first two loads, the warm-up and the one that measures it, as they come), so that a tier that looked
 slow once is measured again, a tier that is slow is not loaded from on every request, and exploring a
-small uncertain share of a prefix never drags a slow known tier along. A tier measured before is
-re-explored with at most EXPLORE_CAP_BYTES of it (a bandwidth-bound load, not a whole history from a
-slow disk); a tier never loaded from alone (every Load mixed it with a deeper one) is estimated as no
-slower than the deeper tier. A prefetch's reads (observe_staged) measure the disk without a Load and
+small uncertain share of a prefix never drags a slow known tier along. One tier is explored at a
+time (a host prefix ahead of uncertain disk blocks is loaded alone, so the Load measures the host
+tier), with at most EXPLORE_CAP_BYTES of it (a bandwidth-bound load, not a whole history from a slow
+disk); a tier with no estimate yet is taken to be no slower than a deeper
+tier that has one. A prefetch's reads (observe_staged) measure the disk without a Load and
 count as its exploration. Every method
 takes no time itself: `clock` (monotonic seconds) is injected, so tests drive it by hand.
 """
@@ -47,7 +48,7 @@ WINDOW = 16  # observations kept per tier
 DECAY = 0.7  # weight of an observation relative to the next newer one
 SURPRISE = 2.0  # an observation this many times off the fit's prediction makes the tier uncertain
 BANDWIDTH_BOUND = 0.2  # a fit whose fixed cost is at most this share of its largest load extrapolates upward
-EXPLORE_CAP_BYTES = 256 << 20  # an exploration of a tier measured before loads at most this much of it
+EXPLORE_CAP_BYTES = 256 << 20  # an exploration loads at most this much of the tier it explores
 
 
 class Plan(NamedTuple):
@@ -296,33 +297,42 @@ class CostModel:
             hopeful = self._best(tiers, {t: free if t in uncertain else f for t, f in fits.items()}, block_bytes,
                                  tokens_per_block, ctx, flops_per_s)
             if hopeful != best:
-                explorable = [t for t in uncertain if t in tiers[:hopeful] and self._may_explore(t, now)]
-                if explorable:
-                    for t in explorable:
-                        self._tiers[t].last_explore = now
-                        self._tiers[t].explored += 1
-                    return Plan(max(best, self._explore_cap(tiers[:hopeful], uncertain, block_bytes)), "explore")
+                k, target = self._explore_prefix(tiers[:hopeful], uncertain, block_bytes, now)
+                if target is not None:
+                    state = self._tiers[target]
+                    state.last_explore = now
+                    state.explored += 1
+                    return Plan(max(best, k), "explore")
         return Plan(best, "load" if best else "recompute")
+
+    def _explore_prefix(self, prefix: Sequence[int], uncertain: list[int], block_bytes: int,
+                        now: float) -> tuple[int, int | None]:
+        """(blocks to load, the tier explored): one uncertain tier at a time, the first in the chain that may
+        be explored now (blocks before it are loaded too: they come first), cut where another uncertain
+        tier's blocks begin after it -- so that the Load measures that tier alone (a host prefix ahead of
+        disk blocks is measured as host, not charged to the disk) -- and where it holds EXPLORE_CAP_BYTES
+        (enough to be bandwidth-bound; a whole 1.9 GB history from a 1 GB/s disk would cost the request
+        2 s against 0.6 s of prefill)."""
+        target = next((t for t in prefix if t in uncertain and self._may_explore(t, now)), None)
+        if target is None:
+            return 0, None
+        cap = max(1, EXPLORE_CAP_BYTES // block_bytes)
+        n, started = 0, False
+        for i, t in enumerate(prefix):
+            if t == target:
+                started = True
+                n += 1
+                if n > cap:
+                    return i, target
+            elif started and t in uncertain:
+                return i, target
+        return len(prefix), target
 
     def _may_explore(self, tier: int, now: float) -> bool:
         """At most once per explore_gap_s -- but a tier's first two loads (a warm-up and the one that
         measures it) are explored as they come."""
         t = self._tiers.setdefault(tier, _TierLoads())
         return now - t.last_explore >= self.explore_gap_s or (t.seen < 2 and t.explored < 2)
-
-    def _explore_cap(self, prefix: Sequence[int], uncertain: list[int], block_bytes: int) -> int:
-        """The explored prefix, cut where it holds EXPLORE_CAP_BYTES of tiers measured before (beyond a
-        first, warm-up load): such a tier is re-measured with a bandwidth-bound load, not a whole history read
-        from a slow disk (2 s on the request's path); a tier loaded from once at most is explored with all of it."""
-        seen = {t for t in uncertain if self._tiers[t].seen >= 2}
-        cap = max(1, EXPLORE_CAP_BYTES // block_bytes)
-        n = 0
-        for i, t in enumerate(prefix):
-            if t in seen:
-                n += 1
-                if n > cap:
-                    return i
-        return len(prefix)
 
     def _best(self, tiers: Sequence[int], fits: dict[int, LoadFit | None], block_bytes: int, tokens_per_block: int,
               ctx: int, flops_per_s: float) -> int:

@@ -34,7 +34,8 @@ from kvwire.v1 import kvcache_pb2
 
 log = logging.getLogger(__name__)
 
-CHUNK_BLOCKS = 64  # blocks per Prefetch call: 128 MiB of 8B-shaped KV, ~0.1 s of a 1-2 GB/s disk
+CHUNK_BLOCKS = 32  # blocks per Prefetch call: 64 MiB of 8B-shaped KV, ~50 ms of a 1.3 GB/s disk; a cancel (the
+# request admitted) wastes what is in flight, at most DEPTH chunks
 DEPTH = 2  # Prefetch calls in flight per job
 _USABLE = (kvcache_pb2.STAGED, kvcache_pb2.ALREADY_IN_HOST)
 

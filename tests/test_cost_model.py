@@ -43,8 +43,8 @@ def test_latency_dominated_first_load_does_not_stop_later_large_loads() -> None:
     """Scenario (as measured on the H200): the first host load is 7 blocks in 16.9 ms, nearly all fixed
     cost (and a first load's one-time costs); bytes / seconds of it says 0.87 GB/s, at which a 200-block
     prefix (3200 tokens, 50 ms of prefill) looks slower to load (480 ms) than to recompute. The model
-    trusts neither a first load nor a 7-block measurement for a 200-block load: it loads (explores),
-    and from then on loads large prefixes. A later small load that takes far longer than the fit says
+    trusts neither a first load nor a 7-block measurement for a 200-block load: it explores (with 128
+    blocks, 256 MiB: EXPLORE_CAP_BYTES), and from then on loads large prefixes. A later small load that takes far longer than the fit says
     (fixed cost) teaches it the latency, and tiny prefixes are recomputed."""
     clock = Clock()
     cm = CostModel(flops, clock=clock)
@@ -53,9 +53,9 @@ def test_latency_dominated_first_load_does_not_stop_later_large_loads() -> None:
     cm.observe_load([HOST] * 7, BLOCK, 0.0169)
     naive_bw = 7 * BLOCK / 0.0169
     assert 200 * BLOCK / naive_bw > 0.05  # what a one-number model concludes: recompute
-    assert cm.plan([HOST] * 200, BLOCK, TPB, 0) == Plan(200, "explore")
+    assert cm.plan([HOST] * 200, BLOCK, TPB, 0) == Plan(128, "explore")
     clock.t += 0.1
-    cm.observe_load([HOST] * 200, BLOCK, true_load(latency, bw, 200))
+    cm.observe_load([HOST] * 128, BLOCK, true_load(latency, bw, 128))
     for n in (150, 200, 300):  # trusted now (within x2 of the size seen): loading wins on the estimate
         clock.t += 0.1
         assert cm.plan([HOST] * n, BLOCK, TPB, 0) == Plan(n, "load")
@@ -71,18 +71,19 @@ def test_latency_dominated_first_load_does_not_stop_later_large_loads() -> None:
 
 
 def test_a_cold_first_load_is_measured_again() -> None:
-    """Scenario (the H200 run): a tier's first 945-block load took 1.5 s (one-time costs), the next
-    0.2 s, against 0.63 s of prefill. The first load alone is not trusted: the model loads again, and
-    the second measurement, not an average with the cold one, decides."""
+    """Scenario (the H200 run): a tier's first load is slow (one-time costs: 945 blocks took 1.5 s, the
+    next 0.2 s, against 0.63 s of prefill). Explorations load 128 blocks (256 MiB) of it: the first, cold,
+    is not trusted and the model explores again at once; the second measurement, not an average with the
+    cold one, decides: the whole prefix is loaded from then on."""
     clock = Clock()
     cm = CostModel(flops, clock=clock)
     cm.observe_prefill(15120, 0, 0.63)
     n = 945
-    assert cm.plan([HOST] * n, BLOCK, TPB, 0).reason == "explore"
-    cm.observe_load([HOST] * n, BLOCK, 1.5)
+    assert cm.plan([HOST] * n, BLOCK, TPB, 0) == Plan(128, "explore")
+    cm.observe_load([HOST] * 128, BLOCK, 1.5)
     clock.t += 3
-    assert cm.plan([HOST] * n, BLOCK, TPB, 0) == Plan(n, "explore")
-    cm.observe_load([HOST] * n, BLOCK, 0.2)
+    assert cm.plan([HOST] * n, BLOCK, TPB, 0) == Plan(128, "explore")
+    cm.observe_load([HOST] * 128, BLOCK, 0.2 * 128 / n)
     for _ in range(10):
         clock.t += 1
         assert cm.plan([HOST] * n, BLOCK, TPB, 0) == Plan(n, "load")
@@ -246,25 +247,32 @@ def test_a_fit_of_one_size_or_of_latency_dominated_loads_is_not_extrapolated() -
     assert cm.estimate([DISK], BLOCK) is None  # never measured
 
 
-def test_a_tier_never_loaded_alone_is_explored_twice_then_at_most_once_per_gap_and_capped() -> None:
-    """Scenario (the CPU reproduction of the disk setting, prefetch 0): every stored prefix is part host,
-    part disk, so the host tier is never measured alone (a mixed Load is charged to the disk). The first
-    two such prefixes are loaded whole (the disk's warm-up and its measurement); after that an unmeasured
-    host tier is taken to be no slower than the disk (slower than prefill here: recompute), explored at
-    most once per explore_gap_s, and a re-measure of the disk, once stale, loads 256 MiB of it, not the
-    whole 1.9 GB history."""
+def test_one_tier_is_explored_at_a_time_shallowest_first_and_with_256_mib_at_most() -> None:
+    """Scenario (the CPU reproduction of the disk setting): stored prefixes are 200 host blocks (a prefetch's
+    staged head) then 745 disk blocks; neither tier measured; prefill 4 ms a block, host 20 GB/s, disk
+    0.5 GB/s. A Load of both would be charged to the disk alone, leaving the host tier unmeasured (the
+    prefetch-0 engine explored 20 of 20 requests that way). So the host part is explored alone (twice: a
+    warm-up, 128 blocks or 256 MiB, and a measurement), then the host part and 128 disk blocks (not the
+    whole 1.5 GB) to measure the disk (twice); from then on the host part is loaded and the disk tail
+    recomputed. Once both are stale, each is re-measured in turn."""
     clock = Clock()
     cm = CostModel(flops, clock=clock, explore_gap_s=10.0, stale_s=30.0)
     cm.observe_prefill(1000, 0, 0.25)  # 4 ms a block
-    mixed = [HOST] * 300 + [DISK] * 645
-    for _ in range(2):
-        assert cm.plan(mixed, BLOCK, TPB, 0) == Plan(945, "explore")
-        cm.observe_load(mixed, BLOCK, 0.005 + 645 * BLOCK / 0.5e9)  # the host bytes' time is not known
+    mixed = [HOST] * 200 + [DISK] * 745
+    for n in (128, 200):  # the second: an estimate exists (pessimistic, one size) and says load all 200
+        assert cm.plan(mixed, BLOCK, TPB, 0) == Plan(n, "explore")
+        cm.observe_load([HOST] * n, BLOCK, 0.001 + n * BLOCK / 20e9)
         clock.t += 1
-    assert cm.plan(mixed, BLOCK, TPB, 0) == Plan(0, "recompute")  # explored < 10 s ago
-    clock.t += 10
-    assert cm.plan(mixed, BLOCK, TPB, 0) == Plan(300, "explore")  # the host part only: the disk is known
-    clock.t += 1
-    assert cm.plan(mixed, BLOCK, TPB, 0) == Plan(0, "recompute")
-    clock.t += 40  # the disk estimate is stale: re-measured with 128 blocks (256 MiB)
-    assert cm.plan([DISK] * 945, BLOCK, TPB, 0) == Plan(128, "explore")
+    for _ in range(2):
+        assert cm.plan(mixed, BLOCK, TPB, 0) == Plan(200 + 128, "explore")
+        cm.observe_load(mixed[:328], BLOCK, 0.001 + 200 * BLOCK / 20e9 + 128 * BLOCK / 0.5e9)
+        clock.t += 1
+    fit = cm.fit(DISK)
+    assert fit is not None and fit.bytes_per_s == pytest.approx(0.5e9, rel=0.05)
+    for _ in range(5):
+        assert cm.plan(mixed, BLOCK, TPB, 0) == Plan(200, "load")
+        clock.t += 1
+    clock.t += 40
+    assert cm.plan(mixed, BLOCK, TPB, 0) == Plan(200, "explore")  # host first (all 200: loading them is best anyway)
+    assert cm.plan(mixed, BLOCK, TPB, 0) == Plan(200 + 128, "explore")  # then the disk
+    assert cm.plan(mixed, BLOCK, TPB, 0) == Plan(200, "load")  # both explored < 10 s ago

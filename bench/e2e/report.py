@@ -257,6 +257,30 @@ def render_md(results: dict) -> str:
                      "or reused less than was stored before them; p50 TTFT of the same pairs: " + ", ".join(
                          f"{cfg[n]['label']} {fmt(p50_of(cfg[n], keys)[0])} ms" for n in ("disk_p4", "disk_p0")
                          if n in cfg))
+            L.append("\nThe same pairs, where their reusable prefix came from (tokens summed over the pairs; "
+                     "recomputed = reusable - reused), and what the engine and daemon saw over the whole run:\n")
+            L.append("| configuration | pairs | p50 / p90 TTFT ms | reusable | gpu / host / disk | recomputed | "
+                     "kv_source | prefetch staged / used / wasted (daemon) | engine: disk GB/s, prefill tok/s |")
+            L.append("| --- | ---: | --- | ---: | --- | ---: | --- | --- | --- |")
+            for n in ("disk_p4", "disk_p0"):
+                if n not in cfg:
+                    continue
+                r = cfg[n]
+                det = [x for x in r["requests_detail"] if x.get("ok") and (x["user"], x["round"]) in keys]
+                tt = [x["ttft_ms"] for x in det]
+                by = {t: sum(x["by_tier"].get(t, 0) for x in det) for t in ("gpu", "host", "disk")}
+                reusable = sum(x["reusable_tokens"] for x in det)
+                src: dict[str, int] = {}
+                for x in det:
+                    src[x["kv_source"]] = src.get(x["kv_source"], 0) + 1
+                dd, em = r.get("daemon") or {}, r.get("engine_metrics", {})
+                bw = em.get('model_runner_load_bandwidth_bytes_per_second{tier="disk"}')
+                L.append(f"| {r['label']} | {len(det)} | {fmt(pct(tt, 50), 0)} / {fmt(pct(tt, 90), 0)} | {reusable} | "
+                         f"{by['gpu']} / {by['host']} / {by['disk']} | {max(0, reusable - sum(by.values()))} | "
+                         + ", ".join(f"{k}: {v}" for k, v in sorted(src.items())) + " | "
+                         f"{dd.get('prefetch_staged', '-')} / {dd.get('prefetch_used', '-')} / "
+                         f"{dd.get('prefetch_wasted', '-')} | {fmt(bw / 1e9 if bw else None, 2)}, "
+                         f"{fmt(em.get('model_runner_prefill_tokens_per_second'), 0)} |")
     nr = results.get("no_reuse")
     if nr:
         L.append("\n## No reuse\n")
