@@ -22,6 +22,7 @@ and the Store waits for its write (freed()).
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -43,6 +44,9 @@ class HostTier:
         self.loose_bytes = 0  # of used_bytes: slots alloc() took that no block holds yet (disk reads in flight)
         self._lru = ChainLRU()
         self.spilling: dict[int, Entry] = {}  # evicted, slot held until the spill is written; by id(), oldest first
+        # those of them still on the tier's capacity (not staged), oldest first; an OrderedDict: the
+        # oldest is taken from the front, O(1) (a dict's front would be a run of deleted slots)
+        self.unstaged: OrderedDict[int, Entry] = OrderedDict()
         self.waiters: dict[int, asyncio.Future[None]] = {}  # id(entry) -> resolved when its slot is off the tier
 
     @property
@@ -56,7 +60,7 @@ class HostTier:
         """Every block on the tier's capacity: the LRU, then victims whose spill is being written
         that found the staging budget full (staged ones count on the staging budget instead)."""
         yield from self._lru.values()
-        yield from (e for e in self.spilling.values() if not e.staged)
+        yield from self.unstaged.values()
 
     def holders(self) -> int:
         return len(self._lru) + len(self.spilling)

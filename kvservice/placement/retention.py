@@ -90,6 +90,12 @@ class Retention:
         if counted is not None and counted.pop(id(entry), None) is not None:
             self._bytes[entry.namespace] -= entry.size
 
+    def forget_many(self, entries: Sequence[Entry]) -> None:
+        """forget() for each; entries never retained (deadline 0) cost one comparison."""
+        for e in entries:
+            if e.deadline:
+                self.forget(e)
+
     def _count(self, entry: Entry, now: float) -> None:
         """entry.deadline was just set (later than before): its bytes count until it passes."""
         ns = entry.namespace
@@ -102,9 +108,3 @@ class Retention:
         if len(heap) > 2 * len(counted) + 1024:  # superseded items of re-retained blocks: rebuild
             heap[:] = [(e.deadline, next(self._seq), e) for e in counted.values()]
             heapq.heapify(heap)
-    def forget_many(self, entries: Sequence[Entry]) -> None:
-        """forget() for each; entries never retained (deadline 0) cost one comparison."""
-        for e in entries:
-            if e.deadline:
-                self.forget(e)
-
