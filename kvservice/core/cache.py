@@ -582,23 +582,30 @@ class BlockCache:
                      self._total_lease_cap() - life.leases.total_bytes)
         not_found = PrefetchResult(PrefetchStatus.NOT_FOUND)
         in_host = PrefetchResult(PrefetchStatus.ALREADY_IN_HOST)
+        lease_now: dict[int, Entry] = {}  # in host memory, no lease running: leased as one batch below
+        leasing = 0  # their bytes
         for h in hashes:
             e = get(h)
             if e is None or not e.ready or e.tier == Tier.NONE:
                 out.append(not_found)
             elif e.in_memory:
-                if e.lease_until <= now:  # a running lease (this session's or another's) is not renewed
+                # a running lease (this session's or another's) is not renewed
+                if e.lease_until <= now and id(e) not in lease_now:
                     if e.size > budget:
-                        out.append(self._over_cap(s))
+                        out.append(self._over_cap(s, leasing))
                         continue
-                    budget -= life.lease(s.id, e, now, seconds, staged=False)
+                    budget -= e.size
+                    leasing += e.size
+                    lease_now[id(e)] = e
                 out.append(in_host)
             elif e.size > budget:
-                out.append(self._over_cap(s))
+                out.append(self._over_cap(s, leasing))
             else:
                 budget -= e.size
                 to_read.append((len(out), e))
                 out.append(PrefetchResult(PrefetchStatus.STAGED))
+        if lease_now:
+            life.lease_many(s.id, list(lease_now.values()), now, seconds, staged=False)
         reading = [e for _, e in to_read]
         life.pin(reading)
         try:
@@ -625,9 +632,10 @@ class BlockCache:
     def _total_lease_cap(self) -> int:
         return int(self.config.prefetch_total_share * self._t.host.capacity_bytes)
 
-    def _over_cap(self, s: Session) -> PrefetchResult:
+    def _over_cap(self, s: Session, leasing: int = 0) -> PrefetchResult:
+        """Why a prefetch is refused; `leasing`: bytes this call is about to lease."""
         book = self._t.life.leases
-        mine, total = book.owned_bytes(s.id), book.total_bytes
+        mine, total = book.owned_bytes(s.id) + leasing, book.total_bytes + leasing
         if self._lease_cap() - mine <= self._total_lease_cap() - total:
             why = (f"this session's prefetch leases hold {mine} bytes; its cap is "
                    f"{self._lease_cap()} (prefetch_share {self.config.prefetch_share:g} of the host tier)")

@@ -61,7 +61,7 @@ class LeaseBook:
         self.by_owner: dict[SessionId, dict[int, Entry]] = {}
         self.bytes_by_owner: dict[SessionId, int] = {}
         self.total_bytes = 0
-        self._expiry: list[tuple[float, int, Entry]] = []
+        self._expiry: list[tuple[float, int, list[Entry]]] = []  # (until, seq, the entries leased until then)
         self._seq = 0
 
     def owned_bytes(self, owner: SessionId) -> int:
@@ -302,18 +302,32 @@ class Lifecycle:
     def lease(self, owner: SessionId, e: Entry, now: float, seconds: float, staged: bool) -> int:
         """Lease e to owner until now + seconds; returns the bytes it adds to owner's leases. Only for
         a block whose lease is not running (an ended one not yet reaped is ended first)."""
+        return self.lease_many(owner, [e], now, seconds, staged)
+
+    def lease_many(self, owner: SessionId, entries: Sequence[Entry], now: float, seconds: float,
+                   staged: bool) -> int:
+        """lease() for a batch of distinct entries, with one expiry item for all of them."""
         book = self.leases
-        if id(e) in book.entries:
-            self.end_lease(e, used=False)
-        e.lease_until = now + seconds
-        e.lease_owner = owner
-        book.entries[id(e)] = (e, staged)
-        book.total_bytes += e.size
-        book._seq += 1
-        heapq.heappush(book._expiry, (e.lease_until, book._seq, e))
-        book.by_owner.setdefault(owner, {})[id(e)] = e
-        book.bytes_by_owner[owner] = book.bytes_by_owner.get(owner, 0) + e.size
-        return e.size
+        held = book.entries
+        until = now + seconds
+        mine = book.by_owner.setdefault(owner, {})
+        total = 0
+        for e in entries:
+            if id(e) in held:
+                self.end_lease(e, used=False)
+            e.lease_until = until
+            e.lease_owner = owner
+            held[id(e)] = (e, staged)
+            mine[id(e)] = e
+            total += e.size
+        if not mine:
+            del book.by_owner[owner]
+        if entries:
+            book.total_bytes += total
+            book.bytes_by_owner[owner] = book.bytes_by_owner.get(owner, 0) + total
+            book._seq += 1
+            heapq.heappush(book._expiry, (until, book._seq, list(entries)))
+        return total
 
     def end_lease(self, e: Entry, used: bool) -> None:
         book = self.leases
@@ -357,9 +371,9 @@ class Lifecycle:
         heap = self.leases._expiry
         entries = self.leases.entries
         while heap and heap[0][0] <= now:
-            _, _, e = heapq.heappop(heap)
-            if id(e) in entries and e.lease_until <= now:  # not ended early, not leased again since
-                self.end_lease(e, used=False)
+            for e in heapq.heappop(heap)[2]:
+                if id(e) in entries and e.lease_until <= now:  # not ended early, not leased again since
+                    self.end_lease(e, used=False)
 
     # --- invariants
     def audit(self, owners: set[SessionId], idle: bool = True) -> list[str]:
