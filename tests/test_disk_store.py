@@ -354,6 +354,38 @@ def test_metadata_rows_are_80_byte_blobs_a_restart_decodes_at_once(tmp_path):
     assert slot_class(1) == ALIGN and slot_class(ALIGN + 1) == 2 * ALIGN
 
 
+def test_host_slots_plan_one_iovec_per_run_and_round_trip(tmp_path):
+    """Scenario: a batch handed over as HostSlots (the arena and slot offsets, as the daemon does)
+    plans as arrays: 16 blocks adjacent on disk and in memory are one request with one iovec; a gap
+    in memory splits the iovecs (not the request); the bytes written that way read back exactly into
+    HostSlots of another buffer, CRC-verified, and a wrong-length slot is a per-block fault."""
+    from kvservice.disk.batch_io import HostSlots
+    store = open_store(tmp_path / "disk", 64 * MiB, segment_bytes=16 * MiB)
+    n, size = 16, 64 * KiB
+    arena = aligned_buffer(2 * n * size)
+    offsets = np.arange(n, dtype=np.int64) * size
+    offsets[8:] += size  # blocks 8.. one slot further on in memory: two stretches
+    for i, o in enumerate(offsets):
+        arena[o:o + size] = content(i, size)
+    slots = HostSlots(arena, offsets, np.full(n, size, dtype=np.int64))
+    locs = store.reserve([size] * n)
+    store._create_planned({split_loc(locs[0])[0]})
+    files = dict(store._files)
+    runs = batch_io.plan_slots(np.arange(n), np.array(locs), slots, files, 16 * MiB, reading=False)
+    assert len(runs) == 1 and runs[0].blocks == list(range(n)) and runs[0].nbytes == n * size
+    if runs[0].direct:
+        assert [v.nbytes for v in runs[0].views] == [8 * size, 8 * size]
+    blocks = [BlockWrite("ns", key(i), checksum(slots.view(i)), stored_at=NOW) for i in range(n)]
+    assert store.write(locs, blocks, slots) == [None] * n
+    out = aligned_buffer(2 * n * size)
+    assert store.read(locs, HostSlots(out, offsets, slots.lengths)) == [None] * n
+    assert all(np.array_equal(out[o:o + size], content(i, size)) for i, o in enumerate(offsets))
+    short = HostSlots(out, offsets[:2], np.array([size, size - ALIGN], dtype=np.int64))
+    faults = store.read(locs[:2], short)
+    assert faults[0] is None and faults[1].kind == FaultKind.WRONG_SIZE
+    store.close()
+
+
 def test_unaligned_full_slot_buffers_bounce_and_round_trip(tmp_path):
     """Scenario: host buffers that fill their slots but do not start page-aligned (as slices of a
     malloc'd slab are) go O_DIRECT through the staging buffer; the bytes round-trip exactly."""
