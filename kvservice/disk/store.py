@@ -4,10 +4,12 @@ Primitives (locations are ints, see slots.make_loc; the daemon keeps them in its
   DiskStore(root, capacity, max_ttl_seconds=..)  open: check files, load metadata -> .recovered
   reserve(lengths) -> [loc | None]        slots for a batch, no I/O (None: no room, evict first)
   write(locs, blocks, bufs) -> [fault]    blocking: data (batched, direct), then one metadata
-                                          commit; consumes the reservations (a failed one is freed)
+                                          commit; consumes the reservations (a failed one is freed);
+                                          bufs: a buffer per block, or HostSlots (one host buffer +
+                                          offsets: planned as arrays, the daemon's arena slots)
   cancel(locs)                            reservations that will not be written
-  read(locs, outs) -> [fault]             blocking: coalesced reads into the callers' buffers,
-                                          CRC32C verified; a faulted block should be free()d
+  read(locs, outs) -> [fault]             blocking: coalesced reads into the callers' buffers (or
+                                          HostSlots), CRC32C verified; a faulted block should be free()d
   free(locs)                              committed blocks leave (their delete commits soon)
   set_deadline(loc, deadline)             persisted with the next commit
   flush() / close()
