@@ -15,7 +15,8 @@ Per loop iteration the engine calls:
                   GPU radix hit -> the Lookup's answer for the rest -> load or recompute (CostModel)
                   -> allocate (evict LRU leaves, offload them before reuse) -> submit_load, park
   prefetch()      for the first N still-waiting requests whose Lookup found blocks on disk, once each: a
-                  prefetcher.py job that stages them head first in chunks, off the loop thread (a Lookup's
+                  prefetcher.py job over the stored prefix (its host part leased, its disk part staged)
+                  head first in chunks, off the loop thread (a Lookup's
                   answer starts one itself while fewer than N are staging: no wait for the model step);
                   at admission the job's staged prefix counts as host-resident (no second Lookup), so the
                   request loads that from host memory and the cost model decides about the rest; the
@@ -213,7 +214,7 @@ class Scheduler:
 
     def _start_prefetch(self, seq: Seq, fut: concurrent.futures.Future[Any]) -> None:
         """Once per request, under _prefetch_lock (loop thread or a Lookup's callback): a prefetcher job
-        for the disk-resident part of what its Lookup found."""
+        for what its Lookup found, when some of it is on disk."""
         if seq.prefetched or fut is not seq.lookup:
             return  # decided already, or a newer Lookup replaced this one
         seq.prefetched = True
@@ -223,9 +224,12 @@ class Scheduler:
         first_disk = next((i for i, t in enumerate(tiers[:stored]) if t == kvcache_pb2.TIER_DISK), None)
         if first_disk is None:
             return  # nothing on disk (or nothing at all): a Prefetch would be a wasted round trip
-        # From the first disk block on (what is before it is in host memory already), head first, for as
-        # long as the request is queued.
-        lo = seq.lookup_from + first_disk
+        # The whole stored prefix, head first, for as long as the request is queued: the part already in
+        # host memory is answered ALREADY_IN_HOST and leased (no read), so it stays there while the request
+        # queues -- unleased, a host tier churned by other requests' loads evicted it, and the Load, planned
+        # from a Lookup seconds old, read it from disk (H200 v4 disk setting: 900+-block disk reads on the
+        # critical path). A job over host blocks only would be a wasted round trip.
+        lo = seq.lookup_from
         assert self.prefetcher is not None
         seq.prefetch_from = lo
         seq.prefetch_job = self.prefetcher.submit(seq.prompt_hashes[lo: seq.lookup_from + stored],

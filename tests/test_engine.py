@@ -441,17 +441,21 @@ def test_prefetcher_stages_a_chain_head_first_in_chunks_up_to_its_first_gap(
                          indirect=True)
 def test_admission_counts_a_prefetch_jobs_staged_prefix_as_host_without_asking_again(
         daemon: Daemon, engines: Callable[..., Engine]) -> None:
-    """Scenario: a request whose 6-block prefix is on disk is enqueued (loop not started: admission by
-    hand); its Lookup answers TIER_DISK and starts a prefetch job, which stages all 6. At admission the
-    scheduler plans the Load from what the job staged -- every block from the host tier -- without a
-    second Lookup (a round trip on the head's path, slow while prefetch reads are in flight); the Load
-    comes from host memory and the tokens are the reference's."""
+    """Scenario: a request whose 6-block prefix has its 2-block head in host memory and the rest on disk
+    is enqueued (loop not started: admission by hand); its Lookup starts a prefetch job over all 6: the
+    head is answered ALREADY_IN_HOST (leased, so it stays in host memory while the request queues), the
+    rest STAGED. At admission the scheduler plans the Load from what the job staged -- every block from
+    the host tier -- without a second Lookup (a round trip on the head's path, slow while prefetch reads
+    are in flight); the Load comes from host memory and the tokens are the reference's."""
     ids = tokens(80, 6 * TPB + 3)
     a = engines(daemon.target)
     run(a, ids)
     run(a, tokens(81, 8 * TPB + 3), max_tokens=2)
     a.stop()
     wait_until(lambda: daemon.stats().counters.spills >= 6, what="spills to disk")
+    c = engines(daemon.target, load_policy="always")
+    assert run(c, ids[: 2 * TPB + 3]).cached_by_tier["disk"] == 2 * TPB  # the head, back in host memory
+    c.stop()
     b = Engine(EngineConfig(service=daemon.target, load_policy="always"))
     try:
         handle = b.submit(GenerationRequest(list(ids), max_tokens=6))
@@ -461,9 +465,12 @@ def test_admission_counts_a_prefetch_jobs_staged_prefix_as_host_without_asking_a
         seq = s.waiting[0]
         assert seq.lookup is not None
         _, tiers = seq.lookup.result(timeout=10)
-        assert tiers[0] == kvcache_pb2.TIER_DISK
+        assert tiers == [kvcache_pb2.TIER_HOST] * 2 + [kvcache_pb2.TIER_DISK] * 4
         wait_until(lambda: seq.prefetch_job is not None and seq.prefetch_job.done, what="the prefetch job")
         assert seq.prefetch_job is not None and seq.prefetch_job.staged == 6
+        answered = {status: b.registry.get_sample_value("model_runner_prefetched_blocks_total", {"status": status})
+                    for status in ("ALREADY_IN_HOST", "STAGED")}
+        assert answered == {"ALREADY_IN_HOST": 2, "STAGED": 4}
         lookups = b.registry.get_sample_value("model_runner_lookup_seconds_count")
         s.admit()
         assert seq.load is not None and seq.load.tiers == [kvcache_pb2.TIER_HOST] * 6
