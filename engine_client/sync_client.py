@@ -147,16 +147,20 @@ class KVClient:
         n = len(hashes)
 
         def done(call: grpc.Future) -> None:  # on gRPC's thread (or this one, if already done)
+            if out.cancelled():  # the engine gave up on it: no answer, and no detach for our own cancel
+                return
             try:
                 try:
-                    reply = call.result()
+                    answer = lookup_answer(call.result(), n)
                 except grpc.RpcError as err:
-                    out.set_result(self._lookup_failed(session, err))
-                    return
-                out.set_result(lookup_answer(reply, n))
-            except BaseException as e:  # noqa: BLE001 - a refusal, or the call was cancelled
-                out.set_exception(e)
-        stub.Lookup.future(request, timeout=self._client.timeout).add_done_callback(done)
+                    answer = self._lookup_failed(session, err)
+            except BaseException as e:  # noqa: BLE001 - a refusal
+                _settle(out, error=e)
+                return
+            _settle(out, answer)
+        call = stub.Lookup.future(request, timeout=self._client.timeout)
+        out.add_done_callback(lambda f: call.cancel() if f.cancelled() else None)
+        call.add_done_callback(done)
         return out
 
     def _lookup_plan(self, hashes: Sequence[bytes]):
@@ -230,6 +234,17 @@ class KVClient:
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self._submit(coro).result()
+
+
+def _settle(out: concurrent.futures.Future, result: object = None, error: BaseException | None = None) -> None:
+    """Answer a future the caller may have cancelled meanwhile (then the answer is dropped)."""
+    try:
+        if error is not None:
+            out.set_exception(error)
+        else:
+            out.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass
 
 
 class _CallerChannel:

@@ -372,6 +372,7 @@ class StandInDaemon(kvcache_pb2_grpc.KVCacheServicer):
         self.max_batch_blocks = max_batch_blocks
         self.lease_seconds = lease_seconds
         self.load_delay = 0.0
+        self.lookup_delay = 0.0
         self.lock = threading.Lock()
         self.sessions: dict[str, tuple[shared_memory.SharedMemory, list, int]] = {}
         self.blocks: dict[bytes, bytes] = {}
@@ -434,6 +435,7 @@ class StandInDaemon(kvcache_pb2_grpc.KVCacheServicer):
     def Lookup(self, request, context):
         hashes = split(request.hashes)
         self._begin("Lookup", request, len(hashes), context)
+        time.sleep(self.lookup_delay)
         n = 0
         while n < len(hashes) and hashes[n] in self.blocks:
             n += 1
@@ -725,6 +727,28 @@ def test_sync_client_lookup_goes_out_on_the_callers_thread(daemon, socket_path, 
             time.sleep(0.01)
         assert client.attached and client.session_id != old
         assert client.lookup(hashes) == (2, [kvcache_pb2.TIER_HOST] * 2)
+
+
+def test_a_cancelled_lookup_future_is_dropped_quietly(daemon, socket_path, pool, caplog):
+    """Scenario: the engine's scheduler gives up on a slow Lookup and cancels its future. The late
+    answer is dropped (no InvalidStateError in gRPC's callback), the cancel detaches nothing, and
+    the next Lookup answers."""
+    with KVClient(socket_path, NS, pool, client_name="cancel") as client:
+        hashes = client.hasher.hash_blocks(range(12))
+        assert [r.status for r in client.store(hashes[:2], [0, 1])] == [kvcache_pb2.STORED] * 2
+        deadline = time.monotonic() + 10
+        while not client.lookup_channel_ready and time.monotonic() < deadline:
+            time.sleep(0.01)
+        daemon.lookup_delay = 0.3
+        session = client.session_id
+        with caplog.at_level("DEBUG"):
+            late = client.submit_lookup(hashes)
+            assert late.cancel() and late.cancelled()
+            time.sleep(0.6)  # the daemon's answer would have come by now
+        assert not [r for r in caplog.records if r.exc_info or "InvalidStateError" in r.getMessage()]
+        daemon.lookup_delay = 0.0
+        assert client.attached and client.session_id == session
+        assert client.submit_lookup(hashes).result(10) == (2, [kvcache_pb2.TIER_HOST] * 2)
 
 
 def test_sync_client_lookup_waits_out_a_restart_on_the_async_path(socket_path, pool):
