@@ -31,7 +31,7 @@ from kvservice.disk import FaultKind, aligned_buffer
 from kvservice.disk.batch_io import HostSlots
 from kvservice.disk.tier_io import BlockWrite, DiskFault, TierIO, remove_v1_blocks
 from kvservice.disk.disk_tier import DiskTier
-from kvservice.placement.eviction import Victim, admission_gate, plan_disk_eviction
+from kvservice.placement.eviction import DiskRoom, Victim, admission_gate, plan_disk_eviction
 from kvservice.memory.host_tier import HostTier
 from kvservice.core.lifecycle import Lifecycle
 from kvservice.placement.index import BlockIndex, DiskState, Entry
@@ -285,39 +285,31 @@ class Tiers:
         """Host entries that may be evicted, oldest first. Under protect-unexpired, an unexpired
         retained block the disk could not admit is not one: evicting it could only drop it."""
         protect = self.disk is not None and (self.config.protect_unexpired or self._disk_unwritable())
-        room = self._disk_room(now) if protect else 0
+        room = self._disk_room(now) if protect else None
         for e in self.host.entries_oldest_first():
             if e.pins or e.lease_until > now:  # pinned(now), inlined: this loop runs once per victim
                 continue
-            if protect and e.disk == DiskState.NONE and e.retained(now):
-                if e.size > room:
-                    continue
-                room -= e.size
+            if room is not None and e.disk == DiskState.NONE and e.retained(now) and not room.take(e.size):
+                continue
             yield e
 
     def host_blockers(self, now: float) -> tuple[int, int]:
         """(pinned, protected) bytes of host blocks make_host_room may not evict now: pinned by
         copies, reads or leases, or unexpired retained ones the disk cannot admit (protect-unexpired)."""
         protect = self.disk is not None and (self.config.protect_unexpired or self._disk_unwritable())
-        room = self._disk_room(now) if protect else 0
+        room = self._disk_room(now) if protect else None
         pinned = protected = 0
         for e in self.host.entries_oldest_first():
             if e.pinned(now):
                 pinned += e.size
-            elif protect and e.disk == DiskState.NONE and e.retained(now):
-                if e.size > room:
-                    protected += e.size
-                else:
-                    room -= e.size
+            elif room is not None and e.disk == DiskState.NONE and e.retained(now) and not room.take(e.size):
+                protected += e.size
         return pinned, protected
 
-    def _disk_room(self, now: float) -> int:
-        """Disk bytes a spill could get without evicting an unexpired retained block."""
+    def _disk_room(self, now: float) -> DiskRoom:
+        """Disk bytes a spill could get without evicting an unexpired retained block (counted lazily)."""
         assert self.disk is not None
-        if self._disk_unwritable():
-            return 0
-        room = self.disk.free_bytes + sum(e.size for e in self.disk.unmarked.values() if not e.pinned(now))
-        return room + sum(e.size for e in self.disk.retained.values() if e.deadline <= now and not e.pinned(now))
+        return DiskRoom.none() if self._disk_unwritable() else DiskRoom.of(self.disk, now)
 
     def protection_reason(self) -> str:
         """Why unexpired retained host blocks cannot spill now (for a refused Store's message)."""

@@ -13,11 +13,12 @@ if the needed bytes cannot be freed, nothing is evicted and admission is refused
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from kvservice.ops.config import Config
 from kvservice.disk.disk_tier import DiskTier
+from kvservice.ops.config import Config
 from kvservice.placement.index import Entry
 
 
@@ -31,6 +32,42 @@ class VictimClass(enum.Enum):
 class Victim:
     entry: Entry
     cls: VictimClass
+
+
+class DiskRoom:
+    """The disk bytes spills could get without evicting an unexpired retained block (free space, then
+    unpinned unmarked blocks, then unpinned expired retained ones), counted only as far as someone asks:
+    `take(n)` walks the disk order just until n bytes are covered, so an evicting Store costs what it
+    evicts, not a walk of the whole disk tier (a 1M-block tier was summed on every evicting Store).
+    Same answers as summing everything first: a take that finds too little leaves the whole sum, and
+    later smaller takes still draw on it."""
+
+    __slots__ = ("_sizes", "room")
+
+    def __init__(self, free: int, sizes: Iterator[int]) -> None:
+        self.room = free
+        self._sizes = sizes
+
+    @classmethod
+    def of(cls, tier: DiskTier, now: float) -> DiskRoom:
+        sizes = itertools.chain(
+            (e.size for e in tier.unmarked.values() if not e.pinned(now)),
+            (e.size for e in tier.retained.values() if e.deadline <= now and not e.pinned(now)))
+        return cls(tier.free_bytes, sizes)
+
+    @classmethod
+    def none(cls) -> DiskRoom:
+        return cls(0, iter(()))
+
+    def take(self, nbytes: int) -> bool:
+        """Reserve nbytes of the room; False (nothing taken) when the room cannot cover them."""
+        while self.room < nbytes:
+            size = next(self._sizes, None)
+            if size is None:
+                return False
+            self.room += size
+        self.room -= nbytes
+        return True
 
 
 def plan_disk_eviction(tier: DiskTier, nbytes: int, now: float, protect_unexpired: bool) -> list[Victim] | None:
