@@ -605,9 +605,10 @@ def explain_ttft(runner: ModelRunner, daemon: Daemon, kv_bytes_per_token: int) -
         say(f"Why: the tiny model computes a few hundred tokens in a few ms, and a Lookup + Load round trip to the "
             f"daemon (daemon-side Load p50 {load_p50}) costs about as much, so reuse saves little here.")
     say("Where the daemon wins: where loading a token is much faster than computing it, i.e. real models, long "
-        "prompts, GPUs. On the H200 run in BENCHMARKS.md (8B-shaped model, bf16, 128 KiB of KV per token) this "
-        "engine computed 7.6k prompt tokens/s while the host tier loaded about 200k tokens/s (~25 GB/s), and "
-        "requests whose prefix was loaded had p50 TTFT 117 ms against 289 ms recomputed (bench/e2e_multiround.py).")
+        "prompts, GPUs. On the H200 (BENCHMARKS.md, end to end v4: 8B-shaped model, bf16, 128 KiB of KV per "
+        "token, SDPA prefill at 26-30k prompt tokens/s) 8 users x 6 rounds of ~16k-token prompts had p50 TTFT "
+        "118.5 ms with the host tier against 680.9 ms recomputed, 5.75x (bench/e2e_multiround.py). From a slow "
+        "disk the engine recomputes instead: loading must beat the prefill to pay.")
 
 
 def run_conversation(workdir: Path, check: Checks, daemons: list[Daemon], runners: list[ModelRunner]) -> None:
