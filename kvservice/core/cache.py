@@ -313,41 +313,37 @@ class BlockCache:
         t.host.touch(hit)
         if t.disk is not None:
             t.disk.touch(hit)
+        # a block a concurrent Store is still copying in is answered once that one commits or not
+        pending = [(i, e) for i, e in touched if not e.ready]
+        await self._answer_already_stored([(i, e) for i, e in touched if e.ready], ttl, now, results)
+        return pending
+
+    async def _answer_already_stored(self, hits: list[tuple[int, Entry]], ttl: float, now: float,
+                                     results: StoreResults) -> None:
+        """ALREADY_STORED for ready blocks, retained for ttl when asked (new deadlines persisted)."""
         persist: list[Entry] = []
-        pending: list[tuple[int, Entry]] = []
-        for i, e in touched:
-            if not e.ready:  # a concurrent Store is copying it in: answered once that one commits or not
-                pending.append((i, e))
-            elif ttl:
+        for i, e in hits:
+            if ttl:
                 if self._retain_one(e, ttl, now, StoreStatus.ALREADY_STORED, results, i):
                     persist.append(e)
             else:
                 results.set(i, StoreStatus.ALREADY_STORED, e.deadline if e.deadline > now else 0.0)
         for e in persist:
-            await t.persist_deadline(e)
-        return pending
+            await self._t.persist_deadline(e)
 
     async def _store_pending(self, pending: list[tuple[int, Entry]], ttl: float, now: float,
                              results: StoreResults) -> None:
         """Hits that another Store was copying in: ALREADY_STORED (and retained if asked) once it
         committed them; NOT_STORED if it was cancelled or failed - never an acknowledgement of
         bytes nobody kept."""
-        t = self._t
-        waits = t.life.outcome([e for _, e in pending])
+        waits = self._t.life.outcome([e for _, e in pending])
         if waits:
             await asyncio.wait(waits)
-        persist: list[Entry] = []
         for i, e in pending:
             if not e.ready:
                 results.set(i, StoreStatus.NOT_STORED,
                             message="a concurrent Store of this block did not complete (cancelled or failed): store it again")
-            elif ttl:
-                if self._retain_one(e, ttl, now, StoreStatus.ALREADY_STORED, results, i):
-                    persist.append(e)
-            else:
-                results.set(i, StoreStatus.ALREADY_STORED, e.deadline if e.deadline > now else 0.0)
-        for e in persist:
-            await t.persist_deadline(e)
+        await self._answer_already_stored([(i, e) for i, e in pending if e.ready], ttl, now, results)
 
     async def _store_new(self, s: Session, pos: list[int], entries: list[Entry], bids: list[int], ttl: float,
                          now: float, results: StoreResults) -> None:
