@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import operator
 import os
 import time
 from collections.abc import Sequence
@@ -268,16 +269,16 @@ class BlockCache:
         results = StoreResults(len(hs))
         ns, size = s.namespace, s.block_bytes
         blocks = t.index.namespace(ns)
-        get = blocks.get
-        new_pos: list[int] = []  # positions of hashes not stored yet
+        found = list(map(blocks.get, hs))
         touched: list[tuple[int, Entry]] = []
-        for i, h in enumerate(hs):
-            e = get(h)
-            if e is None:
-                new_pos.append(i)
-            else:
-                touched.append((i, e))
-        new_hashes = [hs[i] for i in new_pos]
+        if found.count(None) == len(hs):  # all new (the usual Store): no per-block split
+            new_pos: list[int] = list(range(len(hs)))  # positions of hashes not stored yet
+            new_hashes = hs
+        else:
+            new_pos = [i for i, e in enumerate(found) if e is None]
+            touched = [(i, e) for i, e in enumerate(found) if e is not None]
+            new_hashes = [hs[i] for i in new_pos]
+        del found
         dups: list[int] = []
         if len(set(new_hashes)) < len(new_hashes):  # a hash twice in one batch: its first place stores it
             first: dict[bytes, int] = {}
@@ -291,11 +292,13 @@ class BlockCache:
         try:
             pending = await self._store_hits(touched, ttl, now, results) if touched else []
             if entries:
-                await self._store_new(s, new_pos, entries, [ids[i] for i in new_pos], ttl, now, results)
+                await self._store_new(s, new_pos, entries, ids if len(new_pos) == len(ids) else [ids[i] for i in new_pos],
+                                      ttl, now, results)
             if pending:  # after our own blocks: two Stores that wait for each other's both commit first
                 await self._store_pending(pending, ttl, now, results)
         finally:
-            life.rollback(entries)  # whatever is still not ready was reserved by this call and never committed
+            if not all(map(_ready, entries)):
+                life.rollback(entries)  # whatever is still not ready was reserved by this call and never committed
         if entries and entries[0].ready and self.namespaces.fix_canary(s.namespace, s.canary):
             log.info("namespace %s: hash canary fixed by session %s, its first store", s.namespace, s.label)
         self._store_latency.observe(time.perf_counter() - t0)
@@ -409,8 +412,11 @@ class BlockCache:
         self.stats.bump(s.namespace, "stores", fit)
         status = results.status
         if not ttl:
-            for i in pos[:fit]:
-                status[i] = StoreStatus.STORED
+            if pos[fit - 1] - pos[0] == fit - 1:  # positions ascending: a contiguous run, one slice
+                status[pos[0]:pos[0] + fit] = [StoreStatus.STORED] * fit
+            else:
+                for i in pos[:fit]:
+                    status[i] = StoreStatus.STORED
             return fit == n
         for i, e in zip(pos, placed):
             self._retain_one(e, ttl, now, StoreStatus.STORED, results, i)  # new: nothing on disk to persist
@@ -797,6 +803,7 @@ class BlockCache:
 
 
 _HASH_DTYPE = np.dtype(f"V{HASH_BYTES}")
+_ready = operator.attrgetter("ready")
 GC_YOUNG_THRESHOLD = 50_000  # allocations between young collections (CPython's default: 700)
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import operator
 from collections.abc import Iterable, Sequence
 
 from kvservice.memory.host_tier import HostTier
@@ -50,6 +51,7 @@ _RESERVED_FIELDS = ("key", "size", "checksum", "stored_at", "deadline", "reuse",
                     "lease_owner", "ready")
 assert tuple(Entry.__dataclass_fields__) == _RESERVED_FIELDS, "Lifecycle.reserve builds Entry positionally"
 _new_tuple = tuple.__new__
+_slot_of = operator.attrgetter("slot")
 
 
 class LeaseBook:
@@ -115,7 +117,7 @@ class Lifecycle:
             e.checksum = c
             e.ready = True
             e.pins = 0
-        self.host.lru_touch(entries)
+        self.host.lru_add_new(entries)  # reserved entries were never in the LRU
         if self._outcome:
             self._settle_outcomes(entries)
 
@@ -211,20 +213,28 @@ class Lifecycle:
     def evict_many(self, entries: Sequence[Entry]) -> None:
         """RESIDENT -> NONE for a batch of victims (one arena call per block size); a pinned one
         waits for its last unpin as with evict()."""
+        if not entries:
+            return
         host = self.host
         host.lru_discard_many(entries)
-        free: list[int] = []
-        size = entries[0].size if entries else 0
-        for e in entries:
-            if e.pins or e.staged or e.spilling or e.slot < 0 or e.size != size:
+        size = entries[0].size
+        # the usual batch (victims make_host_room chose): unpinned, resident, one size - checked in
+        # one pass, the slots gathered in another; anything else goes one by one through release()
+        odd = [e for e in entries if e.pins or e.spilling or e.slot < 0 or e.size != size]  # staged implies spilling
+        if odd:
+            oddset = set(map(id, odd))
+            plain = [e for e in entries if id(e) not in oddset]
+            for e in odd:
                 self.release(e)
-                continue
-            free.append(e.slot)
-            e.slot = -1
-        if free:
+        else:
+            plain = entries
+        if plain:
+            free = list(map(_slot_of, plain))
+            for e in plain:
+                e.slot = -1
             host.arena.free(free, size)
             host.used_bytes -= len(free) * size
-            self._wake_and_promote(entries)
+            self._wake_and_promote(plain)
 
     def restore(self, e: Entry) -> bool:
         """SPILLING -> RESIDENT with the slot it kept (its spill failed); False: no room for it."""

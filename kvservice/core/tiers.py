@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
+import itertools
 import logging
 import operator
 from collections import Counter
@@ -44,6 +45,7 @@ from kvservice.disk.write_queue import WriteQueue
 
 log = logging.getLogger(__name__)
 _namespace_of = operator.attrgetter("key.namespace")
+_deadline_of = operator.attrgetter("deadline")
 
 SPILL_BATCH_BYTES = 32 << 20  # spills one writer hands the disk tier at once (one DiskStore.write)
 
@@ -213,30 +215,37 @@ class Tiers:
         been written (await Tiers.room_after(spills)); victims with a disk copy, or dropped, gave
         their slots back at once. No await: nothing can come between the plan and the evictions,
         and the caller has no reservation to undo."""
-        if self.host.placeable(block_bytes) >= n:
+        host = self.host
+        if host.placeable(block_bytes) >= n:
             return n, []
         # two budgets: arena slots (segments of one block size) and the tier's capacity in bytes
-        phys = self.host.arena.placeable(block_bytes)
-        room = self.host.free_bytes
-        victims: list[Entry] = []
-        freed_in: dict[int, int] = {}
-        slot_freeing = self.host.arena.slot_freeing
+        phys = host.arena.placeable(block_bytes)
+        room = host.free_bytes
         have = min(phys, room // block_bytes)
-        k = 0  # have only grows: the shortest prefix of victims that makes room for `fit` ends where it last grew
-        for e in self._host_candidates(now):
-            size = e.size
-            phys += 1 if size == block_bytes else slot_freeing(e.slot, size, block_bytes, freed_in)
-            room += size
-            victims.append(e)
-            now_have = min(phys, room // block_bytes)
-            if now_have > have:
-                have, k = now_have, len(victims)
-                if have >= n:
-                    break
+        if host.arena.holds_only(block_bytes):
+            # every resident block is of block_bytes: each victim frees one slot and block_bytes of
+            # room, so `have` grows by one per victim: the first n - have candidates, taken as a batch
+            victims = self._host_victims(now, n - have)
+            have += len(victims)
+        else:
+            victims = []
+            freed_in: dict[int, int] = {}
+            slot_freeing = host.arena.slot_freeing
+            k = 0  # have only grows: the shortest prefix of victims that makes room for `fit` ends where it last grew
+            for e in self._host_candidates(now):
+                size = e.size
+                phys += 1 if size == block_bytes else slot_freeing(e.slot, size, block_bytes, freed_in)
+                room += size
+                victims.append(e)
+                now_have = min(phys, room // block_bytes)
+                if now_have > have:
+                    have, k = now_have, len(victims)
+                    if have >= n:
+                        break
+            del victims[k:]
         fit = min(n, have)
-        del victims[k:]
         # retained victims claim disk room before best-effort ones
-        if any(e.deadline > now for e in victims):
+        if self.disk is not None and victims and max(map(_deadline_of, victims)) > now:
             victims.sort(key=lambda e: not e.retained(now))
         spills = self._evict_victims(victims, now)
         return fit, spills
@@ -292,6 +301,29 @@ class Tiers:
             if room is not None and e.disk == DiskState.NONE and e.retained(now) and not room.take(e.size):
                 continue
             yield e
+
+    def _host_victims(self, now: float, want: int) -> list[Entry]:
+        """The first `want` of _host_candidates (fewer if there are not as many), filtered a slice
+        of the LRU at a time: exactly the entries the generator would look at, so the disk room
+        is asked for the same ones, without a generator step per victim."""
+        if want <= 0:
+            return []
+        protect = self.disk is not None and (self.config.protect_unexpired or self._disk_unwritable())
+        room = self._disk_room(now) if protect else None
+        it = iter(self.host.entries_oldest_first())
+        out: list[Entry] = []
+        none = DiskState.NONE
+        while len(out) < want:
+            chunk = list(itertools.islice(it, want - len(out)))
+            if not chunk:
+                break
+            if room is None:
+                out += [e for e in chunk if not e.pins and e.lease_until <= now]
+            else:
+                take = room.take
+                out += [e for e in chunk if not e.pins and e.lease_until <= now
+                        and (e.disk != none or e.deadline <= now or take(e.size))]
+        return out
 
     def host_blockers(self, now: float) -> tuple[int, int]:
         """(pinned, protected) bytes of host blocks make_host_room may not evict now: pinned by
@@ -356,23 +388,35 @@ class Tiers:
         """_evict_from_host for each victim, in one pass: the ones with a disk copy and the ones
         dropped (no disk tier, or the gate says no) leave the host tier as one batch first (a disk
         plan of the rest may then forget a released one); the rest are planned one by one."""
-        release: list[Entry] = []
-        drop: list[Entry] = []
-        rest: list[Entry] = []
         no_disk = self.disk is None
-        for e in victims:
-            if e.disk != DiskState.NONE:
-                release.append(e)
-            elif no_disk or (not e.retained(now) and not self.gate(e, now)):
-                drop.append(e)
-            else:
-                rest.append(e)
+        rest: list[Entry] = []
+        if no_disk:  # nowhere to spill: every victim is dropped
+            release: list[Entry] = []
+            drop = victims
+        else:
+            none = DiskState.NONE
+            release = [e for e in victims if e.disk != none]
+            drop = []
+            if len(release) < len(victims):
+                gate = self.gate
+                for e in victims:
+                    if e.disk != none:
+                        continue
+                    if not e.retained(now) and not gate(e, now):
+                        drop.append(e)
+                    else:
+                        rest.append(e)
         if release or drop:
-            self._count_by_ns(release, "host_evictions")
-            self._count_by_ns(drop, "host_evictions")
-            self._count_by_ns(drop, "drops_no_disk" if no_disk else "drops_gate")
-            self.life.evict_many(release + drop)
-            self.life.forget_many(drop)
+            by_ns = Counter(map(_namespace_of, drop))
+            for ns, k in by_ns.items():
+                self.stats.bump(ns, "drops_no_disk" if no_disk else "drops_gate", k)
+            if release:
+                by_ns.update(map(_namespace_of, release))
+            for ns, k in by_ns.items():
+                self.stats.bump(ns, "host_evictions", k)
+            self.life.evict_many(release + drop if release else drop)
+            if drop:
+                self.life.forget_many(drop)
         return [e for e in rest if self._evict_from_host(e, now)]
 
     def _count_by_ns(self, entries: list[Entry], counter: str) -> None:

@@ -9,6 +9,7 @@ Primitives:
   rows(offsets, block_bytes)            uint8 views of slots (for copies; they keep no slot alive)
   placeable(block_bytes) -> n           how many blocks of that size alloc could place now
   slot_freeing(offset, block_bytes) -> n    how many more blocks of that size would fit once that slot is free
+  holds_only(block_bytes) -> bool       every slot taken is of that size (each eviction frees one slot of it)
   close()
 
 The capacity is cut into segments (segment_size: capacity/16 within 8-64 MiB; the last may be shorter). A segment serves one
@@ -103,33 +104,66 @@ class HostArena:
             seg = self._segments[s]
             take = min(n - len(out), len(seg.free))
             if take:
-                out.extend(seg.offset + k * block_bytes for k in seg.free[:take])
+                base = seg.offset
+                out += [base + k * block_bytes for k in seg.free[:take]]
                 del seg.free[:take]
                 if len(out) == n:
                     return out
         while len(out) < n:
             seg = self._claim_segment(block_bytes)
             take = min(n - len(out), len(seg.free))
-            out.extend(seg.offset + k * block_bytes for k in seg.free[:take])
+            base = seg.offset
+            out += [base + k * block_bytes for k in seg.free[:take]]
             del seg.free[:take]
         return out
 
     def free(self, offsets: Sequence[int], block_bytes: int) -> None:
-        touched: set[int] = set()
-        for off in offsets:
-            s = off // self.segment_bytes
+        """Give slots back. A batch is split by segment with numpy and merged into each segment's
+        free list with one sort (an insort per slot cost ~0.2 us a block on an evicting Store)."""
+        if len(offsets) <= 8:
+            touched: set[int] = set()
+            for off in offsets:
+                s = off // self.segment_bytes
+                seg = self._segments[s]
+                assert seg.block_bytes == block_bytes, "slot freed with another block size than it was taken with"
+                bisect.insort(seg.free, (off - seg.offset) // block_bytes)
+                touched.add(s)
+            for s in touched:
+                self._release_if_empty(s)
+            return
+        o = np.asarray(offsets, dtype=np.int64)
+        segs = o // self.segment_bytes
+        first, last = int(segs.min()), int(segs.max())
+        if first == last:
+            groups: list[tuple[int, np.ndarray]] = [(first, o)]
+        else:
+            order = np.argsort(segs, kind="stable")
+            o, segs = o[order], segs[order]
+            cuts = np.flatnonzero(np.diff(segs)) + 1
+            groups = list(zip(segs[np.concatenate(([0], cuts))].tolist(), np.split(o, cuts)))
+        for s, part in groups:
             seg = self._segments[s]
             assert seg.block_bytes == block_bytes, "slot freed with another block size than it was taken with"
-            bisect.insort(seg.free, (off - seg.offset) // block_bytes)
-            touched.add(s)
-        for s in touched:
-            seg = self._segments[s]
-            if seg.used == 0:  # the segment is free for any size again
-                self._by_size[block_bytes].remove(s)
-                if not self._by_size[block_bytes]:
-                    del self._by_size[block_bytes]
-                seg.block_bytes, seg.slots, seg.free = 0, 0, []
-                bisect.insort(self._free_segments, s)
+            free = seg.free
+            free += ((part - seg.offset) // block_bytes).tolist()
+            free.sort()
+            self._release_if_empty(s)
+
+    def _release_if_empty(self, s: int) -> None:
+        seg = self._segments[s]
+        if seg.used == 0:  # the segment is free for any size again
+            block_bytes = seg.block_bytes
+            self._by_size[block_bytes].remove(s)
+            if not self._by_size[block_bytes]:
+                del self._by_size[block_bytes]
+            seg.block_bytes, seg.slots, seg.free = 0, 0, []
+            bisect.insort(self._free_segments, s)
+
+    def holds_only(self, block_bytes: int) -> bool:
+        """Every slot taken holds a block of block_bytes (or none is taken): each block evicted
+        then frees exactly one slot of that size (the eviction plan's fast path)."""
+        by_size = self._by_size
+        return not by_size or (len(by_size) == 1 and block_bytes in by_size)
 
     def _claim_segment(self, block_bytes: int) -> _Segment:
         for i, s in enumerate(self._free_segments):

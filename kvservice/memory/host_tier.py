@@ -94,6 +94,10 @@ class HostTier:
     def lru_touch(self, chain: Sequence[Entry]) -> None:
         self._lru.touch(chain)
 
+    def lru_add_new(self, chain: Sequence[Entry]) -> None:
+        """lru_touch for entries known not to be in the LRU (a Store's commit), head first."""
+        self._lru.add_new(chain)
+
     def lru_discard(self, entry: Entry) -> None:
         self._lru.discard(entry)
 

@@ -27,6 +27,11 @@ class ChainLRU:
             else:
                 order[e] = e
 
+    def add_new(self, chain: Sequence[Entry]) -> None:
+        """touch() for entries not in the order (a Store's new blocks), head first: one update."""
+        rev = chain[::-1]
+        self._order.update(zip(rev, rev))
+
     def touch_present(self, chain: Sequence[Entry]) -> None:
         """Refresh those of the entries (head first) that are in the order; others are left out."""
         order = self._order
