@@ -74,6 +74,7 @@ class _Session:
     lease_seconds: float
     max_batch_blocks: int  # 0: no limit
     block_bytes: int
+    lookup_socket: str = ""  # the daemon's Lookup channel (lookup_channel.py); "": an older daemon, gRPC only
 
     def batch_end(self, lo: int, n: int) -> int:
         """End of the batch that starts at item `lo` of `n`."""
@@ -362,7 +363,7 @@ class AsyncKVClient:
             return await getattr(self._stub, rpc)(request, timeout=self._timeout)
         except grpc.aio.AioRpcError as err:
             if err.code() in DETACHING_CODES:
-                self._detach(session, rpc, err)
+                self._detach(session, rpc, err.code(), err.details())
                 if rpc == "Load" and err.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
                     # The daemon may still be copying into these blocks. CloseSession returns only
                     # once no copy into this pool is in flight, so after it the engine may reuse them.
@@ -435,6 +436,7 @@ class AsyncKVClient:
             lease_seconds=reply.lease_seconds,
             max_batch_blocks=reply.max_batch_blocks,
             block_bytes=reply.block_bytes,
+            lookup_socket=reply.lookup_socket,
         )
         log.info("kvservice session %s open at %s (namespace %s)", reply.label, data_target, reply.namespace_id)
 
@@ -447,14 +449,15 @@ class AsyncKVClient:
         # By id, not identity: a heartbeat replaces the session object when the lease changes.
         return self._session is not None and self._session.session_id == session.session_id
 
-    def _detach(self, session: _Session, rpc: str, err: grpc.aio.AioRpcError) -> None:
+    def _detach(self, session: _Session, rpc: str, code: grpc.StatusCode, details: str | None) -> None:
+        """`rpc` failed with a detaching `code`: answer as an empty cache and re-attach in the background."""
         if not self._is_current(session):
             return  # a concurrent call already detached, or a newer session replaced this one
         self._session = None
-        if err.code() != grpc.StatusCode.NOT_FOUND:
+        if code != grpc.StatusCode.NOT_FOUND:
             self._stale_session_id = session.session_id
         log.warning("kvservice session %s detached (%s: %s %s); re-attaching in the background",
-                    session.label, rpc, err.code().name, err.details())
+                    session.label, rpc, code.name, details)
         assert self._wake is not None
         self._wake.set()
 
@@ -507,7 +510,7 @@ class AsyncKVClient:
                 kvcache_pb2.HeartbeatRequest(session_id=session.session_id), timeout=self._heartbeat_timeout)
         except grpc.aio.AioRpcError as err:
             # Any heartbeat failure may mean the lease is lost: re-open rather than risk a dead session.
-            self._detach(session, "Heartbeat", err)
+            self._detach(session, "Heartbeat", err.code(), err.details())
             return
         current = self._session
         if (reply.lease_seconds > 0 and current is not None and current.session_id == session.session_id
@@ -536,6 +539,15 @@ class AsyncKVClient:
 
 def lookup_answer(reply: kvcache_pb2.LookupReply, asked: int) -> tuple[int, list[int]]:
     """(prefix blocks, their tiers) of one Lookup reply to `asked` hashes; INTERNAL if inconsistent."""
+    got = reply.prefix_blocks
+    if got > asked or len(reply.tiers) != got:
+        raise KVClientError(grpc.StatusCode.INTERNAL,
+                            f"Lookup of {asked} hashes answered prefix {got} with {len(reply.tiers)} tiers")
+    return got, list(reply.tiers)
+
+
+def lookup_channel_answer(reply: kvcache_pb2.LookupChannelReply, asked: int) -> tuple[int, list[int]]:
+    """The same for an answer of the Lookup channel (its tiers one byte each)."""
     got = reply.prefix_blocks
     if got > asked or len(reply.tiers) != got:
         raise KVClientError(grpc.StatusCode.INTERNAL,

@@ -6,13 +6,17 @@ several threads run concurrently on the loop. `submit_load` / `submit_store` /
 `submit_prefetch` / `submit_lookup` return a concurrent.futures.Future instead of waiting, so a scheduler can
 issue loads and keep scheduling other requests while they land.
 
-Lookup is the latency-bound call (DESIGN §7: p50 <= 0.3 ms for 1024 hashes), and the hop to the
-loop thread and back costs about as much as the daemon's work (0.2-0.4 ms measured on the H200
-host and on a 2-CPU box). So `lookup` / `submit_lookup` go out from the caller's thread on a
-synchronous gRPC channel to the same data socket, with the async client's session, whenever that
-channel is READY (after a daemon restart it backs off like any channel: until it reconnects,
-Lookup takes the async client's path, which waits for its own channel). A detaching failure hands
-the detach to the loop (the supervisor re-attaches as for any other call).
+Lookup is the latency-bound call (DESIGN §7: p50 <= 0.3 ms for 1024 hashes), and gRPC Python's
+own empty round trip (0.4-0.6 ms) is already above that, as is the hop to the loop thread and
+back. So `lookup` goes out from the caller's thread on the daemon's Lookup channel
+(lookup_channel.py: the same Lookup as plain frames on a Unix socket, authenticated by the kernel)
+when the session names one, and `submit_lookup` hands that round trip to the client's Lookup
+thread (the caller never blocks). Without a Lookup channel (an older daemon) or while it cannot
+answer, Lookup goes out on a synchronous gRPC channel to the same data socket, with the async
+client's session, whenever that channel is READY (after a daemon restart it backs off like any
+channel: until it reconnects, Lookup takes the async client's path, which waits for its own
+channel). A detaching failure hands the detach to the loop (the supervisor re-attaches as for
+any other call).
 """
 
 from __future__ import annotations
@@ -25,9 +29,18 @@ from typing import Any, TypeVar
 
 import grpc
 
-from engine_client.client import _CHANNEL_OPTIONS, AsyncKVClient, PoolDescriber, _pack, lookup_answer
-from engine_client.errors import DETACHING_CODES, KVClientError, from_rpc_error
+from engine_client.client import (
+    _CHANNEL_OPTIONS,
+    AsyncKVClient,
+    PoolDescriber,
+    _pack,
+    _Session,
+    lookup_answer,
+    lookup_channel_answer,
+)
+from engine_client.errors import DETACHING_CODES, KVClientError
 from engine_client.hashing import BlockHasher
+from engine_client.lookup_channel import ChannelDown, LookupChannel
 from engine_client.namespace import Namespace
 from engine_client.results import LoadResults, StoreResults
 from kvwire.v1 import kvcache_pb2, kvcache_pb2_grpc
@@ -45,9 +58,12 @@ class KVClient:
         pool: PoolDescriber,
         client_name: str = "",
         heartbeat_interval: float | None = None,
+        *,
+        lookup_channel: bool = True,
         **options: float,
     ) -> None:
-        """Arguments as AsyncKVClient; `options` are its keyword-only timeouts."""
+        """Arguments as AsyncKVClient; `options` are its keyword-only timeouts. lookup_channel=False
+        sends every Lookup over gRPC (the daemon's Lookup channel is used by default when it has one)."""
         self._client = AsyncKVClient(target, namespace, pool, client_name, heartbeat_interval, **options)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvclient-loop", daemon=True)
@@ -55,6 +71,9 @@ class KVClient:
         self._stopped = False
         self._caller_lock = threading.Lock()
         self._caller: _CallerChannel | None = None
+        self._use_lookup_channel = lookup_channel
+        self._channel: LookupChannel | None = None  # the daemon's Lookup channel, once a session named it
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None  # submit_lookup's round trips
 
     # --- state (plain attribute reads of the async client: safe from any thread)
     @property
@@ -98,17 +117,12 @@ class KVClient:
             self._caller_channel(self._client.data_target)  # connects now: the first Lookup finds it READY
 
     def lookup(self, hashes: Sequence[bytes]) -> tuple[int, list[int]]:
-        plan = self._lookup_plan(hashes)
-        if plan is None:
-            return self._run(self._client.lookup(hashes))
-        session, request, stub = plan
+        session, request = self._lookup_request(hashes)
         if session is None:  # detached: an empty cache's answer
             return 0, []
-        try:
-            reply = stub.Lookup(request, timeout=self._client.timeout)
-        except grpc.RpcError as err:
-            return self._lookup_failed(session, err)
-        return lookup_answer(reply, len(hashes))
+        if request is None:  # more hashes than one batch: the async client splits them
+            return self._run(self._client.lookup(hashes))
+        return self._lookup_now(session, request, hashes)
 
     def store(self, hashes: Sequence[bytes], block_ids: Sequence[int], ttl_seconds: float = 0.0
               ) -> StoreResults:
@@ -136,15 +150,107 @@ class KVClient:
         return self._submit(self._client.prefetch(hashes))
 
     def submit_lookup(self, hashes: Sequence[bytes]) -> concurrent.futures.Future[tuple[int, list[int]]]:
-        plan = self._lookup_plan(hashes)
-        if plan is None:
-            return self._submit(self._client.lookup(hashes))
-        out: concurrent.futures.Future[tuple[int, list[int]]] = concurrent.futures.Future()
-        session, request, stub = plan
+        session, request = self._lookup_request(hashes)
         if session is None:  # detached: an empty cache's answer
+            out: concurrent.futures.Future[tuple[int, list[int]]] = concurrent.futures.Future()
             out.set_result((0, []))
             return out
+        if request is None:
+            return self._submit(self._client.lookup(hashes))
+        if self._lookup_channel(session) is not None:
+            return self._submit_on_worker(session, request, hashes)
+        ch = self._caller_channel(self._client.data_target)
+        if not ch.ready:
+            return self._submit(self._client.lookup(hashes))
+        return self._submit_grpc(session, request, ch, len(hashes))
+
+    @property
+    def lookup_route(self) -> str:
+        """Where a Lookup goes out now: "lookup channel" (the daemon's plain Unix socket, from the
+        caller's thread), "grpc" (a synchronous gRPC channel from the caller's thread) or "loop"
+        (the async client's gRPC channel, until the synchronous one is READY)."""
+        session = self._client._session
+        if session is not None and self._lookup_channel(session) is not None:
+            return "lookup channel"
+        return "grpc" if self.lookup_channel_ready else "loop"
+
+    # --- internals: Lookup
+    def _lookup_request(self, hashes: Sequence[bytes]
+                        ) -> tuple[_Session | None, kvcache_pb2.LookupRequest | None]:
+        """(session, request) for one Lookup sent from this thread; (None, None) while detached;
+        (session, None) when the async path must split it (more hashes than one batch)."""
+        if self._stopped:
+            raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "KVClient is closed")
+        session = self._client._current()  # raises once the client cannot be used at all (closed, refused)
+        if session is None:
+            return None, None
+        if session.max_batch_blocks and len(hashes) > session.max_batch_blocks:
+            return session, None
+        return session, kvcache_pb2.LookupRequest(session_id=session.session_id, hashes=_pack(hashes))
+
+    def _lookup_now(self, session: _Session, request: kvcache_pb2.LookupRequest, hashes: Sequence[bytes]
+                    ) -> tuple[int, list[int]]:
+        """One Lookup, blocking this thread: on the Lookup channel when the daemon has one and it
+        answers; else gRPC (this thread's synchronous channel when READY, else the async client's)."""
         n = len(hashes)
+        channel = self._lookup_channel(session)
+        if channel is not None:
+            try:
+                got = channel.call(request.SerializeToString())
+            except ChannelDown:
+                pass  # an older daemon, or the channel broke: the same Lookup over gRPC below
+            except TimeoutError:
+                return self._lookup_failed(session, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                           f"no answer on the Lookup channel within {self._client.timeout:g} s")
+            else:
+                if got.code:
+                    code = grpc.StatusCode.__members__.get(got.code, grpc.StatusCode.UNKNOWN)
+                    return self._lookup_failed(session, code, got.message)
+                return lookup_channel_answer(got, n)
+        ch = self._caller_channel(self._client.data_target)
+        if not ch.ready:
+            return self._run(self._client.lookup(hashes))
+        try:
+            reply = ch.stub.Lookup(request, timeout=self._client.timeout)
+        except grpc.RpcError as err:
+            return self._lookup_failed(session, err.code(), err.details())
+        return lookup_answer(reply, n)
+
+    def _submit_on_worker(self, session: _Session, request: kvcache_pb2.LookupRequest, hashes: Sequence[bytes]
+                          ) -> concurrent.futures.Future[tuple[int, list[int]]]:
+        """The Lookup channel's round trip is blocking: the client's Lookup thread makes it, so the
+        caller (an engine's scheduler loop) never waits. A future the caller cancels is answered
+        by no one: the round trip completes and its answer is dropped."""
+        out: concurrent.futures.Future[tuple[int, list[int]]] = concurrent.futures.Future()
+
+        def run() -> None:
+            if out.cancelled():
+                return
+            try:
+                answer = self._lookup_now(session, request, hashes)
+            except BaseException as e:  # noqa: BLE001 - a refusal, or the client closed meanwhile
+                _settle(out, error=e)
+                return
+            _settle(out, answer)
+
+        def never_ran(job: concurrent.futures.Future) -> None:
+            if job.cancelled():  # close() dropped it from the queue
+                _settle(out, error=KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "KVClient is closed"))
+
+        with self._caller_lock:
+            if self._worker is None:
+                self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvclient-lookup")
+            worker = self._worker
+        try:
+            job = worker.submit(run)
+        except RuntimeError:  # shut down by close() meanwhile
+            raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "KVClient is closed") from None
+        job.add_done_callback(never_ran)
+        return out
+
+    def _submit_grpc(self, session: _Session, request: kvcache_pb2.LookupRequest, ch: _CallerChannel, n: int
+                     ) -> concurrent.futures.Future[tuple[int, list[int]]]:
+        out: concurrent.futures.Future[tuple[int, list[int]]] = concurrent.futures.Future()
 
         def done(call: grpc.Future) -> None:  # on gRPC's thread (or this one, if already done)
             if out.cancelled():  # the engine gave up on it: no answer, and no detach for our own cancel
@@ -153,32 +259,32 @@ class KVClient:
                 try:
                     answer = lookup_answer(call.result(), n)
                 except grpc.RpcError as err:
-                    answer = self._lookup_failed(session, err)
+                    answer = self._lookup_failed(session, err.code(), err.details())
             except BaseException as e:  # noqa: BLE001 - a refusal
                 _settle(out, error=e)
                 return
             _settle(out, answer)
-        call = stub.Lookup.future(request, timeout=self._client.timeout)
+        call = ch.stub.Lookup.future(request, timeout=self._client.timeout)
         out.add_done_callback(lambda f: call.cancel() if f.cancelled() else None)
         call.add_done_callback(done)
         return out
 
-    def _lookup_plan(self, hashes: Sequence[bytes]):
-        """One Lookup RPC on the caller's thread: (session, request, sync stub); (None, None, None)
-        while detached; None when the async path must do it (more hashes than one batch)."""
-        if self._stopped:
-            raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "KVClient is closed")
-        c = self._client
-        session = c._current()  # raises once the client cannot be used at all (closed, refused for good)
-        if session is None:
-            return None, None, None
-        if session.max_batch_blocks and len(hashes) > session.max_batch_blocks:
+    def _lookup_channel(self, session: _Session) -> LookupChannel | None:
+        """The daemon's Lookup channel for this session, when it has one and it is worth trying now."""
+        path = session.lookup_socket
+        if not self._use_lookup_channel or not path:
             return None
-        ch = self._caller_channel(c.data_target)
-        if not ch.ready:
-            return None
-        request = kvcache_pb2.LookupRequest(session_id=session.session_id, hashes=_pack(hashes))
-        return session, request, ch.stub
+        ch = self._channel
+        if ch is None or ch.path != path:
+            with self._caller_lock:  # first call, or the daemon named another socket on re-attach
+                if self._stopped:
+                    return None
+                if self._channel is None or self._channel.path != path:
+                    old, self._channel = self._channel, LookupChannel(path, self._client.timeout)
+                    if old is not None:
+                        old.close()
+                ch = self._channel
+        return ch if ch.usable else None
 
     def _caller_channel(self, target: str) -> _CallerChannel:
         ch = self._caller
@@ -191,12 +297,12 @@ class KVClient:
                     old.close()
             return self._caller
 
-    def _lookup_failed(self, session, err: grpc.RpcError) -> tuple[int, list[int]]:
+    def _lookup_failed(self, session: _Session, code: grpc.StatusCode, details: str | None) -> tuple[int, list[int]]:
         """As AsyncKVClient._call: a detaching code answers as an empty cache would, and the loop detaches."""
-        if err.code() in DETACHING_CODES:
-            self._loop.call_soon_threadsafe(self._client._detach, session, "Lookup", err)
+        if code in DETACHING_CODES:
+            self._loop.call_soon_threadsafe(self._client._detach, session, "Lookup", code, details)
             return 0, []
-        raise from_rpc_error(err) from None
+        raise KVClientError(code, details or code.name)
 
     # --- lifetime
     def close(self) -> None:
@@ -212,8 +318,14 @@ class KVClient:
             self._loop.close()
             with self._caller_lock:
                 ch, self._caller = self._caller, None
+                channel, self._channel = self._channel, None
+                worker, self._worker = self._worker, None
             if ch is not None:
                 ch.close()
+            if channel is not None:
+                channel.close()
+            if worker is not None:
+                worker.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> KVClient:
         if not self._client.connected:

@@ -146,6 +146,11 @@ def lookup_reply(tiers: Sequence[int]) -> kvcache_pb2.LookupReply:
     return kvcache_pb2.LookupReply(prefix_blocks=len(tiers), tiers=tiers)
 
 
+def lookup_channel_reply(tiers: Sequence[int]) -> kvcache_pb2.LookupChannelReply:
+    """The same answer for the Lookup channel: its tiers one byte each (Tier values are < 256)."""
+    return kvcache_pb2.LookupChannelReply(prefix_blocks=len(tiers), tiers=bytes(tiers))
+
+
 def _messages(messages: Mapping[int, str]) -> list[kvcache_pb2.BlockMessage]:
     return [kvcache_pb2.BlockMessage(index=i, message=m) for i, m in sorted(messages.items())]
 

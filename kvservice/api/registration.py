@@ -70,12 +70,15 @@ def uid_listener(uid: int) -> str:
 
 
 class RegistrationServer:
-    def __init__(self, cache: BlockCache, path: str, policy: UidPolicy, data_socket: Callable[[str], str]) -> None:
-        """`data_socket(listener)` is the socket path a session of that listener sends its calls to."""
+    def __init__(self, cache: BlockCache, path: str, policy: UidPolicy, data_socket: Callable[[str], str],
+                 lookup_socket: str = "") -> None:
+        """`data_socket(listener)` is the socket path a session of that listener sends its calls to;
+        `lookup_socket` the Lookup channel's (lookup_channel.py), told to every session ("": none)."""
         self._cache = cache
         self.path = path
         self._policy = policy
         self._data_socket = data_socket
+        self._lookup_socket = lookup_socket
         self._sock: socket.socket | None = None
         self._pending: Counter[int] = Counter()
         self._leases: dict[str, socket.socket] = {}  # session id -> its registration connection
@@ -220,6 +223,7 @@ class RegistrationServer:
                 os.close(fd)
         session = convert.open_session_reply(opened)
         session.data_socket = self._data_socket(listener)
+        session.lookup_socket = self._lookup_socket
         return kvcache_pb2.RegistrationReply(session=session), opened.session_id
 
     # --- the open connection is the session's lease

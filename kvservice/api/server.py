@@ -2,6 +2,8 @@
 
   socket_path (Unix, 0600)         KVCache for sessions of the daemon's uid and root; Admin; health
   socket_path.reg (Unix, 0666)     registration: pool fd / IPC handle in, session secret out (registration.py)
+  socket_path.lookup (Unix, 0666)  the Lookup channel: Lookup as plain frames, for sessions of the
+                                   connecting uid only (SO_PEERCRED; lookup_channel.py)
   socket_path.uid<N> (Unix, 0600,  KVCache for sessions of allowed uid N only (allowed_uids)
                      owned by N)
   tcp_address (loopback)           health, reflection, read-only Admin (mutations: tcp_admin_mutations + token)
@@ -33,16 +35,18 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from kvservice.api import convert
-from kvservice.core.cache import BlockCache
-from kvservice.core.clock import Clock, SystemClock
-from kvservice.ops.config import UNIX_PATH_MAX, Config, format_bytes, parse_uids
-from kvservice.ops.metrics import make_registry, start_metrics_server
-from kvwire.peer_socket import registration_path
+from kvservice.api.lookup_channel import LookupChannel
 from kvservice.api.registration import RegistrationServer, UidPolicy, uid_listener
 from kvservice.api.servicer_admin import AdminServicer
 from kvservice.api.servicer_kvcache import KVCacheServicer
 from kvservice.api.session_guard import SessionGuard
+from kvservice.core.cache import BlockCache
+from kvservice.core.clock import Clock, SystemClock
 from kvservice.core.sessions_api import MAIN_LISTENER
+from kvservice.ops.config import UNIX_PATH_MAX, Config, format_bytes, parse_uids
+from kvservice.ops.metrics import make_registry, start_metrics_server
+from kvwire.lookup_frames import lookup_socket_path
+from kvwire.peer_socket import registration_path
 from kvwire.v1 import admin_pb2, admin_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -69,6 +73,7 @@ class RunningServer:
     registry: CollectorRegistry
     metrics_address: str | None  # "host:port" of /metrics actually bound, None when off
     registration_path: str = ""  # the registration socket beside socket_path
+    lookup_path: str = ""  # the Lookup channel's socket beside socket_path
     data_sockets: dict[int, str] = field(default_factory=dict)  # another allowed uid -> its data socket
 
 
@@ -254,7 +259,8 @@ async def running_server(
                 return path
         return config.socket_path
 
-    registrar = RegistrationServer(cache, registration_path(config.socket_path), policy, data_socket)
+    lookups = LookupChannel(cache, lookup_socket_path(config.socket_path), policy, config.max_batch_blocks)
+    registrar = RegistrationServer(cache, registration_path(config.socket_path), policy, data_socket, lookups.path)
     # Bind before starting the cache: a daemon that finds its socket taken must not touch the disk tier.
     address = _bind_unix(main, config.socket_path)
     bound = [config.socket_path]
@@ -265,6 +271,8 @@ async def running_server(
     try:
         _prepare_socket_path(registrar.path)
         registrar.bind()
+        _prepare_socket_path(lookups.path)
+        lookups.bind()
         if policy.allowed_uids:
             _let_others_reach(os.path.dirname(config.socket_path) or ".")
         for uid, srv in uid_servers:
@@ -277,6 +285,7 @@ async def running_server(
             await srv.start()
             for name in names:
                 await srv_health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await lookups.start()  # before registration: every session it opens may use it at once
         registrar.start()
         registrar_started = True
         reaper = asyncio.create_task(_reap_forever(cache, registrar), name="kvservice-reaper")
@@ -289,13 +298,15 @@ async def running_server(
                 raise StartupError(f"metrics_address: cannot listen on {config.metrics_address}: {e}") from None
             metrics = f"{config.metrics_address.rpartition(':')[0]}:{metrics_server.server_port}"
         _log_startup(config, cache, address, tcp, recovered, registrar.path, data_sockets)
-        yield RunningServer(config, cache, main, health, address, tcp, registry, metrics, registrar.path, data_sockets)
+        yield RunningServer(config, cache, main, health, address, tcp, registry, metrics, registrar.path, lookups.path,
+                            data_sockets)
         log.info("shutting down: NOT_SERVING, finishing in-flight requests")
         for _srv, srv_health, _names in servers:
             await srv_health.enter_graceful_shutdown()
     finally:
         if registrar_started or registrar._sock is not None:
             await registrar.stop()
+        await lookups.stop()
         await asyncio.gather(*(srv.stop(grace=STOP_GRACE_S) for srv, _, _ in servers))
         if reaper is not None:
             reaper.cancel()

@@ -131,7 +131,7 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., pool: _Optional[_Union[PoolDescription, _Mapping]] = ..., hash_canary: _Optional[bytes] = ..., client_name: _Optional[str] = ...) -> None: ...
 
 class OpenSessionReply(_message.Message):
-    __slots__ = ("session_id", "namespace_id", "lease_seconds", "max_batch_blocks", "block_bytes", "label", "data_socket")
+    __slots__ = ("session_id", "namespace_id", "lease_seconds", "max_batch_blocks", "block_bytes", "label", "data_socket", "lookup_socket")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,7 @@ class OpenSessionReply(_message.Message):
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
     DATA_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_SOCKET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     namespace_id: str
     lease_seconds: float
@@ -146,7 +147,8 @@ class OpenSessionReply(_message.Message):
     block_bytes: int
     label: str
     data_socket: str
-    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., max_batch_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., label: _Optional[str] = ..., data_socket: _Optional[str] = ...) -> None: ...
+    lookup_socket: str
+    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., max_batch_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., label: _Optional[str] = ..., data_socket: _Optional[str] = ..., lookup_socket: _Optional[str] = ...) -> None: ...
 
 class RegistrationReply(_message.Message):
     __slots__ = ("session", "code", "message")
@@ -197,6 +199,18 @@ class LookupReply(_message.Message):
     prefix_blocks: int
     tiers: _containers.RepeatedScalarFieldContainer[Tier]
     def __init__(self, prefix_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+
+class LookupChannelReply(_message.Message):
+    __slots__ = ("prefix_blocks", "tiers", "code", "message")
+    PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    prefix_blocks: int
+    tiers: bytes
+    code: str
+    message: str
+    def __init__(self, prefix_blocks: _Optional[int] = ..., tiers: _Optional[bytes] = ..., code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class BlockMessage(_message.Message):
     __slots__ = ("index", "message")

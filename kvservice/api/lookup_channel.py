@@ -1,0 +1,220 @@
+"""The Lookup channel: KVCache.Lookup served on a plain Unix socket, on the daemon's event loop.
+
+Why: an engine asks Lookup for every request it schedules, and DESIGN §7 gives 1024 hashes
+0.3 ms (p50). gRPC Python's empty unary round trip alone is 0.4-0.6 ms; a length-prefixed frame
+on a Unix socket is ~0.02 ms. So the same call also travels as frames (kvwire.lookup_frames) on
+`<socket_path>.lookup`: LookupRequest in, LookupChannelReply out, in order, answered by the same
+BlockCache.lookup the gRPC servicer calls, in the event loop's thread (so it reads the index
+between two core steps, exactly as a gRPC Lookup does). gRPC Lookup stays; the engine falls back
+to it when this socket is not there.
+
+Who may use it (the same strength as the gRPC data sockets, decided by the kernel):
+  - the socket is 0666 like the registration socket: reaching it proves nothing;
+  - a connection is kept only if its peer's uid (SO_PEERCRED) may open sessions here at all
+    (UidPolicy: the daemon's uid, root, allowed_uids); any other is told PERMISSION_DENIED and closed;
+  - each request names a session id (a secret only the registering process learned) and is
+    served only if that session was registered by a process of the connection's uid; otherwise
+    PERMISSION_DENIED (another uid's session) or NOT_FOUND (no such session), as gRPC answers.
+Bad input gets the status gRPC Lookup would give, as a reply frame: a payload that is not a
+LookupRequest is INVALID_ARGUMENT, a frame longer than the largest valid Lookup is
+RESOURCE_EXHAUSTED and ends the connection (its bytes are not read, so frames cannot resume).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from collections import Counter
+
+from google.protobuf.message import DecodeError
+
+from kvservice.api import convert
+from kvservice.api.registration import UidPolicy
+from kvservice.core.cache import BlockCache
+from kvservice.core.types import CacheError, ErrorCode, SessionId
+from kvwire.lookup_frames import HEADER, frame
+from kvwire.peer_socket import peer_credentials
+from kvwire.v1 import kvcache_pb2
+
+log = logging.getLogger(__name__)
+
+MAX_CONNECTIONS_PER_UID = 64  # an engine keeps one or two; more is a leak or a flood, bounded per uid
+WRITE_HIGH_WATER = 1 << 20  # a peer that does not read its answers stops being read
+
+
+class LookupChannel:
+    """The listening socket and its connections. bind() before the cache starts, start() once
+    it is serving, stop() before it drains."""
+
+    def __init__(self, cache: BlockCache, path: str, policy: UidPolicy, max_batch_blocks: int) -> None:
+        self._cache = cache
+        self.path = path
+        self._policy = policy
+        self._max_frame = convert.max_request_bytes(max_batch_blocks)
+        self._sock: socket.socket | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._connections: set[_Connection] = set()
+        self._bound = False  # the socket file is ours to remove (never another daemon's)
+        self.per_uid: Counter[int] = Counter()
+
+    def bind(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o111)
+        try:
+            sock.bind(self.path)
+        except BaseException:
+            sock.close()
+            raise
+        finally:
+            os.umask(old)
+        self._bound = True
+        os.chmod(self.path, 0o666)  # reaching it proves nothing: SO_PEERCRED and the session decide
+        sock.setblocking(False)
+        self._sock = sock
+
+    async def start(self) -> None:
+        assert self._sock is not None
+        self._server = await asyncio.get_running_loop().create_unix_server(
+            lambda: _Connection(self), sock=self._sock, backlog=128)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        elif self._sock is not None:
+            self._sock.close()
+        self._sock = None
+        for conn in list(self._connections):
+            conn.close()
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+        if self._bound:
+            self._bound = False
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+    # --- one request: the servicer's Lookup, as frames
+    def answer(self, uid: int, payload: bytes) -> kvcache_pb2.LookupChannelReply:
+        try:
+            request = kvcache_pb2.LookupRequest.FromString(payload)
+        except DecodeError:
+            return _refusal(ErrorCode.INVALID_ARGUMENT.value, "the frame is not a LookupRequest (kvservice.v1)")
+        try:
+            peer = self._cache.session_peer(request.session_id)
+            if peer is not None and peer.uid != uid:
+                raise CacheError(ErrorCode.PERMISSION_DENIED,
+                                 "this session was registered by another uid: a session is served only to "
+                                 "processes of the uid that registered it")
+            tiers = self._cache.lookup(SessionId(request.session_id), request.hashes, request.namespace_id)
+        except CacheError as e:
+            return _refusal(e.code.value, e.message)
+        except Exception as e:  # a core bug must not take the channel down, but must be visible
+            log.exception("Lookup (lookup channel) failed")
+            return _refusal("INTERNAL", f"internal error in Lookup: {type(e).__name__}: {e}")
+        return convert.lookup_channel_reply(tiers)
+
+
+def _refusal(code: str, message: str) -> kvcache_pb2.LookupChannelReply:
+    return kvcache_pb2.LookupChannelReply(code=code, message=message)
+
+
+class _Connection(asyncio.Protocol):
+    """One engine connection: frames in, one answer per frame, written in the same callback."""
+
+    def __init__(self, channel: LookupChannel) -> None:
+        self._channel = channel
+        self._transport: asyncio.Transport | None = None
+        self._buf = bytearray()
+        self._uid = -1
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        ch = self._channel
+        try:
+            cred = peer_credentials(transport.get_extra_info("socket"))
+        except OSError as e:
+            log.info("lookup channel: no peer credentials (%s); dropping the connection", e)
+            transport.abort()
+            return
+        if ch._policy.listener(cred.uid) is None:
+            self._refuse(ErrorCode.PERMISSION_DENIED.value,
+                         f"uid {cred.uid} may not use this daemon (it serves its own uid, root and allowed_uids)")
+            return
+        if ch.per_uid[cred.uid] >= MAX_CONNECTIONS_PER_UID:
+            log.warning("lookup channel: uid %d already has %d connections; refusing another", cred.uid,
+                        ch.per_uid[cred.uid])
+            self._refuse(ErrorCode.RESOURCE_EXHAUSTED.value,
+                         f"uid {cred.uid} has {MAX_CONNECTIONS_PER_UID} Lookup channel connections open")
+            return
+        self._uid = cred.uid
+        ch.per_uid[cred.uid] += 1
+        ch._connections.add(self)
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+
+    def _refuse(self, code: str, message: str) -> None:
+        assert self._transport is not None
+        self._transport.write(frame(_refusal(code, message).SerializeToString()))
+        self._transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self._uid < 0:
+            return  # refused; the transport is closing
+        buf = self._buf
+        if buf:
+            buf += data
+            data = bytes(buf)
+            buf.clear()
+        size = HEADER.size
+        pos, end = 0, len(data)
+        out: list[bytes] = []
+        while end - pos >= size:
+            (length,) = HEADER.unpack_from(data, pos)
+            if length > self._channel._max_frame:
+                out.append(frame(_refusal(
+                    ErrorCode.RESOURCE_EXHAUSTED.value,
+                    f"frame of {length} bytes is longer than the largest valid Lookup ({self._channel._max_frame} "
+                    "bytes: max_batch_blocks hashes); closing the connection").SerializeToString()))
+                self._write(out)
+                self.close()
+                return
+            if end - pos - size < length:
+                break
+            payload = data[pos + size:pos + size + length]
+            pos += size + length
+            out.append(frame(self._channel.answer(self._uid, payload).SerializeToString()))
+        if pos < end:
+            buf += data[pos:]
+        if out:
+            self._write(out)
+
+    def _write(self, out: list[bytes]) -> None:
+        assert self._transport is not None
+        if len(out) == 1:
+            self._transport.write(out[0])
+        else:
+            self._transport.writelines(out)
+
+    def pause_writing(self) -> None:
+        if self._transport is not None:
+            self._transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.resume_reading()
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        ch = self._channel
+        if self in ch._connections:
+            ch._connections.discard(self)
+            ch.per_uid[self._uid] -= 1
+            if ch.per_uid[self._uid] <= 0:
+                del ch.per_uid[self._uid]
+        self._buf.clear()
