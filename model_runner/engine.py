@@ -82,6 +82,8 @@ class Engine:
         dtype = getattr(torch, cfg.dtype)
         self.tokenizer = ByteTokenizer()
         self.metrics = EngineMetrics()
+        self._fwd_prefill = self.metrics.forward_seconds.labels("prefill")
+        self._fwd_decode = self.metrics.forward_seconds.labels("decode")
         self.registry: prometheus_client.CollectorRegistry = self.metrics.registry
         self.model = LlamaModel(self.model_cfg, dtype=dtype, device=cfg.device, seed=cfg.seed)
         self.pool = PagedKVPool(self.model_cfg, cfg.num_gpu_blocks, cfg.tokens_per_block, dtype, cfg.device)
@@ -190,22 +192,31 @@ class Engine:
     # --- the loop
     def _run(self) -> None:
         try:
+            loop = self.metrics.loop_seconds
+            busy, idle = loop.labels("forward"), loop.labels("idle")
+            sched = loop.labels("schedule")
             while not self._stopping:
                 self._wake.clear()  # before the work: a wake-up during it makes the wait below return at once
-                if not self._iteration():
+                t0 = time.perf_counter()
+                stepped, t_step = self._iteration()
+                t1 = time.perf_counter()
+                busy.inc(t_step)
+                sched.inc(t1 - t0 - t_step)
+                if not stepped:
                     wait = _IDLE_WAIT_S
                     deadline = self.sched.next_deadline()
                     if deadline is not None:
                         wait = min(wait, max(0.0, deadline - time.monotonic()))
                     self._wake.wait(wait)
+                    idle.inc(time.perf_counter() - t1)
         except BaseException as exc:  # noqa: BLE001  # a broken loop must fail requests, not hang them
             log.exception("engine loop crashed")
             with self._lock:
                 self._error = exc
             self._fail_all(RuntimeError(f"engine loop crashed: {exc!r}"))
 
-    def _iteration(self) -> bool:
-        """One round; True when a model step ran (so the loop should not sleep)."""
+    def _iteration(self) -> tuple[bool, float]:
+        """One round: (whether a model step ran, so the loop should not sleep; seconds in forwards)."""
         s = self.sched
         while self._inbox:
             s.enqueue(self._inbox.popleft())
@@ -215,7 +226,9 @@ class Engine:
         s.poll_parked()
         s.join_landing()
         stepped = bool(s.running)
+        t_fwd = 0.0
         for seq in list(s.running):
+            t0 = time.perf_counter()
             try:
                 if seq.handle.cancelled:
                     self._finish(seq, "abort")
@@ -226,13 +239,14 @@ class Engine:
                 s.drop(seq)
                 self.metrics.failed.inc()
                 seq.handle._fail(exc)
+            t_fwd += time.perf_counter() - t0
         m = self.metrics
         m.parked.set(len(s.parked))
         m.running.set(len(s.running))
         m.waiting.set(len(s.waiting))
         m.gpu_blocks_free.set(s.alloc.free_count)
         m.gpu_blocks_cached.set(len(s.radix))
-        return stepped
+        return stepped, t_fwd
 
     def _advance(self, seq: Seq) -> None:
         """One forward for one request: its remaining prompt (first token), or one decode token."""
@@ -243,10 +257,14 @@ class Engine:
             logits = self.model.forward(new, ctx, seq.table, kv, last_only=True)
             token = self._sample(seq, logits[-1])  # int(): waits for the device, so the timing is real
             seq.n_cached = seq.prompt_len
-            self.sched.prefilled(seq, len(new), ctx, time.perf_counter() - t0)
+            dt = time.perf_counter() - t0
+            self._fwd_prefill.observe(dt)
+            self.sched.prefilled(seq, len(new), ctx, dt)
         else:
+            t0 = time.perf_counter()
             logits = self.model.forward(seq.tokens[-1:], seq.n_cached, seq.table, kv, last_only=True)
             token = self._sample(seq, logits[-1])
+            self._fwd_decode.observe(time.perf_counter() - t0)
             seq.n_cached += 1
         self._emit(seq, token)
 

@@ -56,3 +56,9 @@ class EngineMetrics:
         self.prefill_rate = gauge("prefill_tokens_per_second", "Estimated prefill throughput")
         self.gpu_blocks_free = gauge("gpu_blocks_free", "Free GPU-tier blocks")
         self.gpu_blocks_cached = gauge("gpu_blocks_cached", "GPU-tier blocks in the radix tree")
+        self.forward_seconds = prom.Summary("model_runner_forward_seconds",
+                                            "One request's forward in a model step, to its sampled token (device "
+                                            "time included), by phase", ("phase",), registry=r)
+        self.loop_seconds = counter("loop_seconds", "Engine loop thread time, by what it was doing: model steps "
+                                    "(forward), the scheduler's bookkeeping (schedule), waiting for work (idle)",
+                                    ("activity",))
