@@ -90,6 +90,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-reuse-clients", type=int, default=2)
     p.add_argument("--no-reuse-warmup", type=int, default=0, help="warm-up requests per engine [fill the GPU tier]")
     p.add_argument("--no-reuse-half-seconds", type=float, default=0.0, help="[8 on CUDA, 3 on CPU]")
+    p.add_argument("--miss-probe", type=int, default=-1,
+                   help="after the no-reuse halves: this many round-0-length misses per engine, one at a time, "
+                        "engines alternating [12 on CUDA, 4 on CPU; 0: none]")
+    p.add_argument("--no-reuse-cycles", type=int, default=1,
+                   help="repeat the halves alone / service / service / alone this many times (more samples, drift cancels)")
     p.add_argument("--io-backend", default="auto")
     p.add_argument("--max-prefill-tokens", type=int, default=16384,
                    help="every runner's per-step prefill budget (model_runner --max-prefill-tokens; 0: none)")
@@ -120,6 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.served_name = a.served_name or a.model
     a.no_reuse_tokens = a.no_reuse_tokens or (200 if a.model == "tiny" else 4096)
     a.no_reuse_half_seconds = a.no_reuse_half_seconds or (3.0 if a.device == "cpu" else 8.0)
+    if a.miss_probe < 0:
+        a.miss_probe = 4 if a.device == "cpu" else 12
     if a.configs:
         bad = set(a.configs.split(",")) - set(CONFIGS)
         if bad:

@@ -172,9 +172,11 @@ def run_no_reuse(ctx: Context) -> dict:
                         return
                     todo[0] -= 1
                     i = next(seq)
-                rep = complete(e.url, rand_tokens(f"nr-{i}", n_len, ctx.vocab), s.answer, 600)
+                prompt = rand_tokens(f"nr-{i}", n_len, ctx.vocab)
+                t_send = time.monotonic()
+                rep = complete(e.url, prompt, s.answer, 600)
                 with lock:
-                    recs.append(rep.record())
+                    recs.append(rep.record(t_send=t_send - t0))
         t0 = time.monotonic()
         ts = [threading.Thread(target=worker, daemon=True) for _ in range(ctx.args.no_reuse_clients)]
         for t in ts:
@@ -194,9 +196,10 @@ def run_no_reuse(ctx: Context) -> dict:
     n_half = max(2 * ctx.args.no_reuse_clients, int(ctx.args.no_reuse_half_seconds / max(per_req, 1e-3)))
     d.settle(30)
     st0 = stats_dict(d.stats())
-    mt0 = engine_metrics(withd)
+    mt0 = {key: engine_metrics(e) for key, e in (("alone", alone), ("service", withd))}
     halves = []
-    for key, e in (("alone", alone), ("service", withd), ("service", withd), ("alone", alone)):
+    order = [("alone", alone), ("service", withd), ("service", withd), ("alone", alone)] * ctx.args.no_reuse_cycles
+    for key, e in order:
         if key == "alone":
             d.settle(30)  # the service's spills of the previous half do not run into the engine-alone half
         halves.append((key, closed_loop(e, n_half)))
@@ -211,11 +214,44 @@ def run_no_reuse(ctx: Context) -> dict:
                                        "prompt_tok_per_s", "ttft_p50_ms", "ttft_p90_ms", "kv_source")}
         out[key]["halves_req_per_s"] = [sum(1 for r in h["recs"] if r["ok"]) / max(1e-6, h["t1"] - h["t0"])
                                         for k, h in halves if k == key]
+        out[key]["engine_metrics"] = metrics_delta(engine_metrics(alone if key == "alone" else withd), mt0[key])
+    # every request of every half, in order: where a gap between the engines comes from
+    out["requests"] = [{"half": i, "engine": k, **r} for i, (k, h) in enumerate(halves) for r in h["recs"]]
     a, b = out["alone"]["total_tok_per_s"], out["service"]["total_tok_per_s"]
     out["throughput_ratio"] = b / a if a and b else None
     out["daemon"] = counter_delta(stats_dict(d.settle(5)), st0)
-    out["engine_metrics"] = metrics_delta(engine_metrics(withd), mt0)
+    out["engine_metrics"] = out["service"]["engine_metrics"]
+    if ctx.args.miss_probe:
+        out["miss_probe"] = miss_probe(ctx, alone, withd, d, ctx.args.miss_probe)
     log(f"no_reuse: alone {a or 0:.0f} tok/s, with the service {b or 0:.0f} tok/s, ratio {out['throughput_ratio']}")
+    return out
+
+
+def miss_probe(ctx: Context, alone: Any, withd: Any, d: Any, n: int) -> dict:
+    """Round-0 requests one at a time: unique prompts of the multi-round workload's round-0 length (pure
+    misses: nothing to reuse, every prefill written through), the two engines alternating request by
+    request (alone first on even i, service first on odd), nothing else running. The daemon is idle
+    before every engine-alone request (its spills of the service's previous prefill do not slow the
+    engine alone); a service request pays whatever its own daemon is still doing. TTFT here is the
+    price a miss pays for the service, without the closed loop's queueing (which makes TTFT bimodal)."""
+    s = ctx.shape
+    n_len = s.prompt_len(0)
+    recs: dict[str, list[dict]] = {"alone": [], "service": []}
+    pair = (("alone", alone), ("service", withd))
+    for i in range(n):
+        for key, e in (pair if i % 2 == 0 else pair[::-1]):
+            if key == "alone":
+                d.settle(30)
+            rep = complete(e.url, rand_tokens(f"probe-{i}-{key}", n_len, ctx.vocab), s.answer, 600)
+            recs[key].append(rep.record(i=i))
+    out: dict[str, Any] = {"prompt_tokens": n_len, "requests_each": n}
+    for key, rs in recs.items():
+        ok = [r for r in rs if r["ok"]]
+        out[key] = {"ok": len(ok), "errors": len(rs) - len(ok), "ttft_p50_ms": pct([r["ttft_ms"] for r in ok], 50),
+                    "engine_ttft_p50_ms": pct([r["engine_ttft_ms"] for r in ok], 50), "requests": rs}
+    a, b = out["alone"]["ttft_p50_ms"], out["service"]["ttft_p50_ms"]
+    out["ttft_ratio"] = b / a if a and b else None
+    log(f"miss probe: p50 TTFT alone {a or 0:.1f} ms, with the service {b or 0:.1f} ms, ratio {out['ttft_ratio']}")
     return out
 
 
