@@ -90,6 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-reuse-clients", type=int, default=2)
     p.add_argument("--no-reuse-warmup", type=int, default=0, help="warm-up requests per engine [fill the GPU tier]")
     p.add_argument("--no-reuse-half-seconds", type=float, default=0.0, help="[8 on CUDA, 3 on CPU]")
+    p.add_argument("--disk-arrivals", choices=("poisson", "uniform"), default="poisson",
+                   help="the disk setting's arrivals: a seeded Poisson process (the same schedule for both prefetch "
+                        "depths; requests queue now and then, which is when prefetch can stage) or evenly spaced")
     p.add_argument("--miss-probe", type=int, default=-1,
                    help="after the no-reuse halves: this many round-0-length misses per engine, one at a time, "
                         "engines alternating [12 on CUDA, 4 on CPU; 0: none]")

@@ -77,6 +77,7 @@ def run_multiround(ctx: Context, name: str) -> dict:
     conv = Conversations.make(name, s, ctx.vocab)
     rate = ctx.rate * cfg.rate_factor
     rate0 = rate * (ctx.args.disk_round0_rate_factor if cfg.setting == "disk" else 1.0)
+    seed = 14 if cfg.setting == "disk" and ctx.args.disk_arrivals == "poisson" else None
     t_start = time.monotonic() + 0.3
     hard_end = t_start + ctx.args.config_timeout
     recs: list[dict] = []
@@ -86,7 +87,7 @@ def run_multiround(ctx: Context, name: str) -> dict:
         hist = conv.system + conv.history[u]
         prev_len = 0
         for r in range(s.rounds):
-            wait = t_start + due(u, r, s.users, rate, rate0) - time.monotonic()
+            wait = t_start + due(u, r, s.users, rate, rate0, seed) - time.monotonic()
             if wait > 0:
                 time.sleep(wait)
             if time.monotonic() > hard_end:
@@ -94,7 +95,7 @@ def run_multiround(ctx: Context, name: str) -> dict:
                     recs.append({"user": u, "round": r, "ok": False, "unsent": True, "error": "not sent: time limit"})
                 continue
             prompt = hist + conv.questions[u][r]
-            late = max(0.0, time.monotonic() - (t_start + due(u, r, s.users, rate, rate0))) * 1e3
+            late = max(0.0, time.monotonic() - (t_start + due(u, r, s.users, rate, rate0, seed))) * 1e3
             rep = complete(e.url, prompt, s.answer, timeout=max(5.0, hard_end - time.monotonic() + 30))
             # What the previous round left cached: its prompt and answer but the last answer token (no KV).
             usable = (len(prompt) - 1) // TPB * TPB
@@ -115,6 +116,7 @@ def run_multiround(ctx: Context, name: str) -> dict:
     last = max((t_start + r["t_send_s"] + r["total_ms"] / 1e3 for r in done), default=time.monotonic())
     res = {"label": cfg.label, "engine": cfg.engines[0], "prefetch": ENGINES[cfg.engines[0]].prefetch,
            "setting": cfg.setting, "rate_req_per_s": rate, "round0_rate_req_per_s": rate0,
+           "arrivals": "uniform" if seed is None else f"poisson (seed {seed})",
            "users": s.users, "rounds": s.rounds,
            **summarize_requests(sent, max(1e-6, last - t_start)),
            "unsent": len(recs) - len(sent),

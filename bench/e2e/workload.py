@@ -72,9 +72,28 @@ class Conversations:
                     for u in range(shape.users)])
 
 
-def due(u: int, r: int, users: int, rate: float, rate0: float = 0.0) -> float:
+def due(u: int, r: int, users: int, rate: float, rate0: float = 0.0, poisson_seed: int | None = None) -> float:
     """Seconds after the start at which user u's round r is due; rate0 (if set) is round 0's rate
-    (the disk setting's warm-up: the histories reach the disk tier no faster than it writes)."""
-    if not rate0 or rate0 == rate:
-        return (r * users + u) / rate
-    return u / rate0 if r == 0 else users / rate0 + ((r - 1) * users + u) / rate
+    (the disk setting's warm-up: the histories reach the disk tier no faster than it writes).
+    Arrivals come in order (round by round, user by user), evenly spaced, or with poisson_seed as a
+    Poisson process of the same mean rate (exponential gaps from that seed: the same schedule for
+    every engine run with it; what serving benchmarks such as vLLM's benchmark_serving default to,
+    and what makes requests queue now and then below saturation)."""
+    rate0 = rate0 or rate
+    k = r * users + u
+    if poisson_seed is None:
+        return k / rate0 if r == 0 else users / rate0 + (k - users) / rate
+    gaps = _unit_gaps(poisson_seed, k + 1)
+    return sum(g / (rate0 if i < users else rate) for i, g in enumerate(gaps[:k]))
+
+
+_GAPS: dict[int, list[float]] = {}
+
+
+def _unit_gaps(seed: int, n: int) -> list[float]:
+    """The first n exponential gaps of mean 1 of this seed (the first arrival at time 0)."""
+    g = _GAPS.setdefault(seed, [])
+    if len(g) < n:
+        rng = random.Random(seed)
+        g[:] = [rng.expovariate(1.0) for _ in range(max(n, 2 * len(g)))]
+    return g
