@@ -8,7 +8,6 @@ import random
 
 from kvservice.placement.index import Entry
 from kvservice.placement.retention import Retention
-from kvservice.core.types import BlockKey
 
 
 def walked(entries, live, ns, now):
@@ -18,7 +17,7 @@ def walked(entries, live, ns, now):
 def test_running_retained_bytes_equal_the_walk_through_a_random_history():
     rng = random.Random(7)
     r = Retention(max_ttl_seconds=1e9, cap_bytes=0)
-    entries = [Entry(BlockKey(f"ns{i % 2}", bytes([i]) * 32), rng.randint(1, 9), 0, 0.0) for i in range(60)]
+    entries = [Entry(f"ns{i % 2}", bytes([i]) * 32, rng.randint(1, 9), 0, 0.0) for i in range(60)]
     live = set(range(60))
     now = 0.0
     for _ in range(20000):
@@ -43,7 +42,7 @@ def test_running_retained_bytes_equal_the_walk_through_a_random_history():
 
 def test_the_cap_refuses_past_its_bytes_and_admits_again_after_expiry():
     r = Retention(max_ttl_seconds=1000, cap_bytes=10)
-    a, b, c = (Entry(BlockKey("ns", bytes([k]) * 32), 5, 0, 0.0) for k in range(3))
+    a, b, c = (Entry("ns", bytes([k]) * 32, 5, 0, 0.0) for k in range(3))
     assert r.extend(a, 10, 0.0) == 10 and r.extend(b, 20, 0.0) == 20
     assert r.extend(c, 30, 0.0) is None  # 5 + 5 + 5 > 10
     assert r.extend(a, 50, 1.0) == 51  # already retained: extending needs no room

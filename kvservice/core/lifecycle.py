@@ -43,14 +43,13 @@ from kvservice.memory.host_tier import HostTier
 from kvservice.ops.stats import CounterSet
 from kvservice.placement.index import BlockIndex, DiskState, Entry
 from kvservice.placement.retention import Retention
-from kvservice.core.types import BlockKey, NamespaceId, SessionId
+from kvservice.core.types import NamespaceId, SessionId
 
 
-_RESERVED_FIELDS = ("key", "size", "checksum", "stored_at", "deadline", "reuse", "slot", "spilling", "staged",
+_RESERVED_FIELDS = ("namespace", "hash", "size", "checksum", "stored_at", "deadline", "reuse", "slot", "spilling", "staged",
                     "release_pending", "disk", "disk_path", "disk_loc", "disk_deadline", "pins", "lease_until",
                     "lease_owner", "ready")
 assert tuple(Entry.__dataclass_fields__) == _RESERVED_FIELDS, "Lifecycle.reserve builds Entry positionally"
-_new_tuple = tuple.__new__
 _slot_of = operator.attrgetter("slot")
 
 
@@ -96,11 +95,9 @@ class Lifecycle:
         """New entries, not ready, in the namespace's dict `blocks` (a concurrent Store of the same
         hash sees them); each holds one pin, the reserving call's, until commit or rollback."""
         none = DiskState.NONE
-        # tuple.__new__: a NamedTuple's own __new__ is a Python function, 2-3x the cost of the tuple;
         # Entry positional (keywords make a dataclass __init__ much slower): its fields in order
-        keys = [_new_tuple(BlockKey, (ns, h)) for h in hashes]
-        entries = [Entry(k, size, 0, now, 0.0, 0, -1, False, False, False, none, "", -1, 0.0, 1, 0.0, "", False)
-                   for k in keys]
+        entries = [Entry(ns, h, size, 0, now, 0.0, 0, -1, False, False, False, none, "", -1, 0.0, 1, 0.0, "", False)
+                   for h in hashes]
         blocks.update(zip(hashes, entries))
         return entries
 
@@ -127,7 +124,7 @@ class Lifecycle:
         thread is done; otherwise at once. Idempotent."""
         rolled: list[Entry] = []
         for e in entries:
-            if e.ready or id(e) in self.aborted or self.index.get_any(e.key) is not e:
+            if e.ready or id(e) in self.aborted or not self.index.holds(e):
                 continue
             self.index.remove(e)
             rolled.append(e)
@@ -147,7 +144,7 @@ class Lifecycle:
         loop = asyncio.get_running_loop()
         out = []
         for e in entries:
-            if e.ready or self.index.get_any(e.key) is not e:
+            if e.ready or not self.index.holds(e):
                 continue
             f = self._outcome.get(id(e))
             if f is None:

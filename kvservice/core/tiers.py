@@ -40,14 +40,20 @@ from kvservice.disk.io_backend import BlockIO, BlockIOError
 from kvservice.memory.host_arena import HostArena
 from kvservice.placement.retention import Retention
 from kvservice.ops.stats import CounterSet
-from kvservice.core.types import BlockHash, BlockKey, NamespaceId
+from kvservice.core.types import BlockHash, NamespaceId
 from kvservice.disk.write_queue import WriteQueue
 
 log = logging.getLogger(__name__)
-_namespace_of = operator.attrgetter("key.namespace")
+_namespace_of = operator.attrgetter("namespace")
 _deadline_of = operator.attrgetter("deadline")
 
 SPILL_BATCH_BYTES = 32 << 20  # spills one writer hands the disk tier at once (one DiskStore.write)
+
+
+def _count_namespaces(entries: list[Entry]) -> Counter:
+    """Entries per namespace (a batch of one namespace, the usual one, without counting each)."""
+    names = set(map(_namespace_of, entries))
+    return Counter({names.pop(): len(entries)}) if len(names) == 1 else Counter(map(_namespace_of, entries))
 
 
 class Tiers:
@@ -125,8 +131,7 @@ class Tiers:
         result = await loop.run_in_executor(self.reader_pool, block_file.scan, self.disk.root)
         now = self.now()
         for path, meta in sorted(result.blocks, key=lambda b: b[1].stored_at):
-            key = BlockKey(NamespaceId(meta.namespace), BlockHash(meta.hash))
-            e = Entry(key, meta.payload_len, meta.checksum, meta.stored_at, deadline=meta.deadline,
+            e = Entry(NamespaceId(meta.namespace), BlockHash(meta.hash), meta.payload_len, meta.checksum, meta.stored_at, deadline=meta.deadline,
                       reuse=meta.reuse, disk_path=path, disk_deadline=meta.deadline)
             self.index.add(e)
             self.disk.adopt(e)
@@ -166,12 +171,11 @@ class Tiers:
         gc_was_on = gc.isenabled()
         gc.disable()  # millions of new objects: generational passes over them would cost more than building them
         try:
-            keys = [BlockKey(names[ns], hsh) for ns, hsh in zip(cols[1], cols[2])]
             # positional, every field up to disk_deadline: keyword arguments make a dataclass
             # __init__ three times slower, and a loop setting the rest afterwards costs as much again
             on_disk = DiskState.ON_DISK
-            entries = [Entry(key, length, crc, stored, dl, reuse, -1, False, False, False, on_disk, "", loc, dl)
-                       for key, loc, length, crc, dl, stored, reuse in zip(keys, cols[0], *cols[3:])]
+            entries = [Entry(names[ns], hsh, length, crc, stored, dl, reuse, -1, False, False, False, on_disk, "", loc, dl)
+                       for loc, ns, hsh, length, crc, dl, stored, reuse in zip(*cols)]
             self.retention.track_many([entries[i] for i in np.flatnonzero(rows["deadline"] > 0).tolist()])
             self.index.add_many(entries)
             self.disk.adopt_many(entries)
@@ -407,12 +411,10 @@ class Tiers:
                     else:
                         rest.append(e)
         if release or drop:
-            by_ns = Counter(map(_namespace_of, drop))
-            for ns, k in by_ns.items():
+            dropped = _count_namespaces(drop)
+            for ns, k in dropped.items():
                 self.stats.bump(ns, "drops_no_disk" if no_disk else "drops_gate", k)
-            if release:
-                by_ns.update(map(_namespace_of, release))
-            for ns, k in by_ns.items():
+            for ns, k in (dropped + _count_namespaces(release) if release else dropped).items():
                 self.stats.bump(ns, "host_evictions", k)
             self.life.evict_many(release + drop if release else drop)
             if drop:
@@ -513,7 +515,7 @@ class Tiers:
         meanwhile (stop) leaves no slot pinned and no entry half-spilled."""
         assert self.disk is not None and self.segments is not None
         locs = [e.disk_loc for e in batch]
-        blocks = [BlockWrite(e.namespace, e.key.hash, e.checksum, e.deadline, e.stored_at, e.reuse) for e in batch]
+        blocks = [BlockWrite(e.namespace, e.hash, e.checksum, e.deadline, e.stored_at, e.reuse) for e in batch]
         self._writing.update(locs)
         self.life.pin(batch)  # the store reads the blocks' host slots: they must not be freed or reused meanwhile
         job = self.segments.write_many(locs, blocks, self._host_slots(batch, [e.slot for e in batch]))

@@ -10,7 +10,7 @@ import enum
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from kvservice.core.types import BlockKey, NamespaceId, Tier
+from kvservice.core.types import BlockHash, BlockKey, NamespaceId, Tier
 
 
 class DiskState(enum.IntEnum):
@@ -21,7 +21,8 @@ class DiskState(enum.IntEnum):
 
 @dataclass(slots=True, eq=False)
 class Entry:
-    key: BlockKey
+    namespace: NamespaceId  # the block's key is (namespace, hash): two fields, no key tuple built per block
+    hash: BlockHash
     size: int
     checksum: int
     stored_at: float
@@ -41,8 +42,8 @@ class Entry:
     ready: bool = True  # False while a Store is still copying its bytes in
 
     @property
-    def namespace(self) -> NamespaceId:
-        return self.key.namespace
+    def key(self) -> BlockKey:
+        return BlockKey(self.namespace, self.hash)
 
     def retained(self, now: float) -> bool:
         return self.deadline > now
@@ -121,23 +122,32 @@ class BlockIndex:
         return d.get(key.hash) if d is not None else None
 
     def add(self, entry: Entry) -> None:
-        self.namespace(entry.key.namespace)[entry.key.hash] = entry
+        self.namespace(entry.namespace)[entry.hash] = entry
 
     def add_many(self, entries: Iterable[Entry]) -> None:
         """Index many entries at once (restart: the disk tier's blocks)."""
         for e in entries:
-            self.namespace(e.key.namespace)[e.key.hash] = e
+            self.namespace(e.namespace)[e.hash] = e
 
     def remove(self, entry: Entry) -> None:
-        d = self._by_ns.get(entry.key.namespace)
-        if d is not None and d.get(entry.key.hash) is entry:
-            del d[entry.key.hash]
+        d = self._by_ns.get(entry.namespace)
+        if d is not None and d.get(entry.hash) is entry:
+            del d[entry.hash]
+
+    def holds(self, entry: Entry) -> bool:
+        """entry is the one indexed under its key (ready or not), not one forgotten or replaced."""
+        d = self._by_ns.get(entry.namespace)
+        return d is not None and d.get(entry.hash) is entry
 
     def remove_many(self, entries: Sequence[Entry]) -> None:
+        """remove() for each (the namespace's dict looked up again only when the namespace changes)."""
         by_ns = self._by_ns
+        ns = d = None
         for e in entries:
-            ns, h = e.key
-            d = by_ns.get(ns)
+            if e.namespace is not ns:
+                ns = e.namespace
+                d = by_ns.get(ns)
+            h = e.hash
             if d is not None and d.get(h) is e:
                 del d[h]
 
