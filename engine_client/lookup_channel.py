@@ -2,12 +2,16 @@
 
     channel = LookupChannel(path, timeout)     # path: OpenSessionReply.lookup_socket
     reply = channel.call(request)              # a LookupRequest -> LookupChannelReply; blocking
-    channel.close()
+    channel.pipeline().send(request, on_answer)  # the same, not blocking: on_answer(reply, failure)
+    channel.close()                            # on the pipeline's reader thread
 
 The daemon serves the same Lookup there as on gRPC (kvservice/api/lookup_channel.py, wire in
 kvwire.lookup_frames), at a fraction of gRPC Python's round trip. Any thread may call: a call
 takes an idle connection or opens one (a few at most: one per thread calling at the same time),
-so concurrent callers do not wait for each other's round trips.
+so concurrent callers do not wait for each other's round trips. Submitted Lookups share one
+pipelined connection: the caller's thread writes the request (a few KiB into the socket buffer,
+bounded by MAX_UNANSWERED_BYTES so it never waits for the daemon) and a reader thread, blocked
+in recv like a blocking caller would be, answers each in order.
 
 When the channel cannot answer - no such socket (an older daemon, one that stopped), the
 connection broke before the answer (a restart) - `call` raises ChannelDown and the caller sends
@@ -20,14 +24,30 @@ the caller treats it as gRPC's DEADLINE_EXCEEDED).
 from __future__ import annotations
 
 import socket
+import threading
 import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
-from kvwire.lookup_frames import LookupFrameError, frame, read_frame
+from kvwire.lookup_frames import (
+    HEADER,
+    MAX_REPLY_BYTES,
+    RECV_BYTES,
+    LookupFrameError,
+    frame,
+    read_frame,
+)
 from kvwire.v1 import kvcache_pb2
 
 DOWN_SECONDS = 1.0
+# Bytes of submitted requests not answered yet, per pipeline: under any Unix socket's send buffer
+# (>= 208 KiB on Linux), so a caller's write never blocks, even when the daemon has stalled.
+MAX_UNANSWERED_BYTES = 96 << 10
+POLL_SECONDS = 0.25  # the reader thread checks its oldest request's deadline this often
+BROKEN, TIMED_OUT = "broken", "timed out"  # why a submitted request got no answer
 _SEND_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)  # a closed peer is an error, never a SIGPIPE
 
 
@@ -42,6 +62,8 @@ class LookupChannel:
         self._idle: list[socket.socket] = []  # list.pop/append are atomic: no lock for the common case
         self._down_until = 0.0
         self._closed = False
+        self._pipeline: LookupPipeline | None = None
+        self._pipeline_lock = threading.Lock()
 
     @property
     def usable(self) -> bool:
@@ -80,9 +102,25 @@ class LookupChannel:
             self._idle.append(sock)
         return reply
 
+    def pipeline(self) -> LookupPipeline:
+        """The live connection for submitted Lookups (made on first use); ChannelDown if none can be."""
+        pipe = self._pipeline
+        if pipe is not None and pipe.alive:
+            return pipe
+        with self._pipeline_lock:
+            if self._closed:
+                raise ChannelDown("the Lookup channel is closed")
+            if self._pipeline is None or not self._pipeline.alive:
+                self._pipeline = LookupPipeline(self._connect(), self._timeout)
+            return self._pipeline
+
     def close(self) -> None:
         self._closed = True
         self._drop_idle()
+        with self._pipeline_lock:
+            pipe, self._pipeline = self._pipeline, None
+        if pipe is not None:
+            pipe.close()
 
     def _connect(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -116,3 +154,113 @@ class LookupChannel:
                 self._idle.pop().close()
             except IndexError:
                 return
+
+
+OnAnswer = Callable[["kvcache_pb2.LookupChannelReply | None", str], None]
+
+
+@dataclass(slots=True)
+class _Pending:
+    on_answer: OnAnswer
+    deadline: float
+    size: int
+
+
+class LookupPipeline:
+    """One connection, many requests in flight: send() writes from the caller's thread, the reader
+    thread calls each request's on_answer(reply, "") in order, or on_answer(None, BROKEN | TIMED_OUT)
+    for every request still waiting when the connection breaks, is closed, or its oldest request
+    is older than the timeout (then the connection is given up: answers can no longer be matched)."""
+
+    def __init__(self, sock: socket.socket, timeout: float) -> None:
+        self._sock = sock
+        self._timeout = timeout
+        self._pending: deque[_Pending] = deque()
+        self._unanswered = 0
+        self._lock = threading.Lock()
+        self.alive = True
+        sock.settimeout(POLL_SECONDS)  # the reader's recv wakes up to check deadlines
+        self._reader = threading.Thread(target=self._read_loop, name="kvclient-lookup-reader", daemon=True)
+        self._reader.start()
+
+    def send(self, request: bytes, on_answer: OnAnswer) -> bool:
+        """Write one LookupRequest; False (nothing sent, on_answer never called) when this
+        pipeline is dead or has MAX_UNANSWERED_BYTES in flight: send it another way."""
+        data = frame(request)
+        with self._lock:
+            if not self.alive or self._unanswered + len(data) > MAX_UNANSWERED_BYTES:
+                return False
+            self._pending.append(_Pending(on_answer, time.monotonic() + self._timeout, len(data)))
+            self._unanswered += len(data)
+            try:
+                self._sock.sendall(data, _SEND_FLAGS)
+                return True
+            except OSError:
+                failed = self._give_up_locked()
+        _tell(failed, BROKEN)
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            failed = self._give_up_locked()
+        _tell(failed, BROKEN)
+
+    def _give_up_locked(self) -> list[_Pending]:
+        self.alive = False
+        failed = list(self._pending)
+        self._pending.clear()
+        self._unanswered = 0
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the reader's recv
+        except OSError:
+            pass
+        return failed
+
+    def _read_loop(self) -> None:
+        buf = bytearray()
+        why = BROKEN
+        try:
+            while self.alive:
+                try:
+                    data = self._sock.recv(RECV_BYTES)
+                except TimeoutError:
+                    with self._lock:
+                        late = bool(self._pending) and self._pending[0].deadline < time.monotonic()
+                    if late:
+                        why = TIMED_OUT
+                        return
+                    continue
+                except OSError:
+                    return
+                if not data:
+                    return
+                buf += data
+                while len(buf) >= HEADER.size:
+                    (length,) = HEADER.unpack_from(buf)
+                    if length > MAX_REPLY_BYTES or len(buf) < HEADER.size + length:
+                        if length > MAX_REPLY_BYTES:
+                            return
+                        break
+                    payload = bytes(buf[HEADER.size:HEADER.size + length])
+                    del buf[:HEADER.size + length]
+                    with self._lock:
+                        if not self._pending:
+                            return  # an answer nobody asked for: the stream cannot be trusted
+                        p = self._pending.popleft()
+                        self._unanswered -= p.size
+                    try:
+                        reply = kvcache_pb2.LookupChannelReply.FromString(payload)
+                    except DecodeError:
+                        _tell([p], BROKEN)
+                        return
+                    p.on_answer(reply, "")
+        finally:
+            with self._lock:
+                failed = self._give_up_locked()
+            self._sock.close()
+            _tell(failed, why)
+
+
+def _tell(failed: list[_Pending], why: str) -> None:
+    for p in failed:
+        p.on_answer(None, why)

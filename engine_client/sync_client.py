@@ -40,7 +40,7 @@ from engine_client.client import (
 )
 from engine_client.errors import DETACHING_CODES, KVClientError
 from engine_client.hashing import BlockHasher
-from engine_client.lookup_channel import ChannelDown, LookupChannel
+from engine_client.lookup_channel import TIMED_OUT, ChannelDown, LookupChannel
 from engine_client.namespace import Namespace
 from engine_client.results import LoadResults, StoreResults
 from kvwire.v1 import kvcache_pb2, kvcache_pb2_grpc
@@ -157,8 +157,10 @@ class KVClient:
             return out
         if request is None:
             return self._submit(self._client.lookup(hashes))
-        if self._lookup_channel(session) is not None:
-            return self._submit_on_worker(session, request, hashes)
+        channel = self._lookup_channel(session)
+        if channel is not None:
+            out = self._submit_on_pipeline(channel, session, request, hashes)
+            return out if out is not None else self._submit_on_worker(session, request, hashes)
         ch = self._caller_channel(self._client.data_target)
         if not ch.ready:
             return self._submit(self._client.lookup(hashes))
@@ -215,6 +217,45 @@ class KVClient:
         except grpc.RpcError as err:
             return self._lookup_failed(session, err.code(), err.details())
         return lookup_answer(reply, n)
+
+    def _submit_on_pipeline(self, channel: LookupChannel, session: _Session, request: kvcache_pb2.LookupRequest,
+                            hashes: Sequence[bytes]) -> concurrent.futures.Future[tuple[int, list[int]]] | None:
+        """Write the request on the channel's pipelined connection now; its reader thread settles
+        the future. None when the pipeline cannot take it (no connection, too much in flight).
+        If the connection breaks before the answer, the Lookup is sent again another way."""
+        try:
+            pipe = channel.pipeline()
+        except (ChannelDown, TimeoutError):
+            return None
+        out: concurrent.futures.Future[tuple[int, list[int]]] = concurrent.futures.Future()
+        n = len(hashes)
+
+        def on_answer(reply: kvcache_pb2.LookupChannelReply | None, failure: str) -> None:  # the reader thread
+            if out.cancelled():  # the engine gave up on it: the answer is dropped, nothing detaches
+                return
+            try:
+                if reply is not None:
+                    if reply.code:
+                        code = grpc.StatusCode.__members__.get(reply.code, grpc.StatusCode.UNKNOWN)
+                        answer = self._lookup_failed(session, code, reply.message)
+                    else:
+                        answer = lookup_channel_answer(reply, n)
+                elif failure == TIMED_OUT:
+                    answer = self._lookup_failed(session, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                                 f"no answer on the Lookup channel within {self._client.timeout:g} s")
+                else:  # the connection broke: ask again (a fresh connection, or gRPC)
+                    again = self._submit_on_worker(session, request, hashes)
+                    again.add_done_callback(lambda f: _settle(out, error=f.exception()) if f.exception()
+                                            else _settle(out, f.result()))
+                    return
+            except BaseException as e:  # noqa: BLE001 - a refusal, or the client closed meanwhile
+                _settle(out, error=e)
+                return
+            _settle(out, answer)
+
+        if not pipe.send(request.SerializeToString(), on_answer):
+            return None
+        return out
 
     def _submit_on_worker(self, session: _Session, request: kvcache_pb2.LookupRequest, hashes: Sequence[bytes]
                           ) -> concurrent.futures.Future[tuple[int, list[int]]]:

@@ -211,28 +211,54 @@ def test_old_daemon_without_a_channel_is_asked_over_grpc():
 
 
 def test_a_cancelled_submit_lookup_on_the_channel_stays_quiet(daemon, pool, caplog):
-    """Scenario: the daemon stalls (SIGSTOP) while an engine's scheduler has a Lookup out. The
-    submit returns at once (the round trip runs on the client's Lookup thread); the engine gives
-    up and cancels; when the daemon resumes, the late answer is dropped without a trace, nothing
-    detaches, and the next Lookup answers."""
+    """Scenario: the daemon stalls (SIGSTOP) while an engine's scheduler sends Lookups. Each
+    submit returns at once (the first on the pipelined connection, the rest, once that has
+    enough in flight, on the client's Lookup thread); the engine gives up and cancels them; when
+    the daemon resumes, the late answers are dropped without a trace, nothing detaches, and the
+    next Lookup answers."""
     with KVClient(daemon.target, NS, pool, client_name="cancel") as client:
-        hashes = client.hasher.hash_blocks(range(16 * 3))
-        client.store(hashes, [0, 1, 2])
-        assert client.lookup(hashes) == (3, [HOST] * 3)
+        hashes = client.hasher.hash_blocks(range(16 * 1024))
+        client.store(hashes[:3], [0, 1, 2])
+        assert client.submit_lookup(hashes).result(10) == (3, [HOST] * 3)
         session = client.session_id
         daemon.proc.send_signal(signal.SIGSTOP)
         try:
             with caplog.at_level(logging.DEBUG):
                 t0 = time.monotonic()
-                late = client.submit_lookup(hashes)
-                assert time.monotonic() - t0 < 0.5 and not late.done()
-                assert late.cancel() and late.cancelled()
+                late = [client.submit_lookup(hashes) for _ in range(6)]  # 6 x 32 KiB: more than the pipeline takes
+                assert time.monotonic() - t0 < 0.5 and not any(f.done() for f in late)
+                assert all(f.cancel() for f in late)
         finally:
             daemon.proc.send_signal(signal.SIGCONT)
-        wait_for(lambda: client._worker._work_queue.empty())
-        time.sleep(0.3)  # the worker has its answer by now
+        assert client._worker is not None  # some went the other way
+        wait_for(lambda: not client._channel._pipeline._pending and client._worker._work_queue.empty())
+        time.sleep(0.3)  # the Lookup thread has its answer by now
         assert not [r for r in caplog.records if r.exc_info or "InvalidStateError" in r.getMessage()]
         assert client.attached and client.session_id == session
+        assert client.submit_lookup(hashes).result(10) == (3, [HOST] * 3)
+        assert client.lookup(hashes) == (3, [HOST] * 3)
+
+
+def test_a_stalled_daemon_answers_as_an_empty_cache_after_the_timeout(daemon, pool):
+    """Scenario: the daemon hangs (SIGSTOP) past the client's timeout. A blocking Lookup and a
+    submitted one answer as an empty cache would, like gRPC's DEADLINE_EXCEEDED; the client
+    detaches and, once the daemon runs again, re-attaches and answers from the channel."""
+    with KVClient(daemon.target, NS, pool, client_name="stall", timeout=1.0) as client:
+        hashes = client.hasher.hash_blocks(range(16 * 3))
+        client.store(hashes, [0, 1, 2])
+        assert client.submit_lookup(hashes).result(10) == (3, [HOST] * 3)
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            submitted = client.submit_lookup(hashes)
+            t0 = time.monotonic()
+            assert client.lookup(hashes) == (0, [])
+            assert 0.9 < time.monotonic() - t0 < 5
+            assert submitted.result(5) == (0, [])
+            assert not client.attached
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        wait_for(lambda: client.attached, 30)
+        assert client.lookup(hashes) == (3, [HOST] * 3) and client.lookup_route == "lookup channel"
         assert client.submit_lookup(hashes).result(10) == (3, [HOST] * 3)
 
 
@@ -279,7 +305,7 @@ print(json.dumps(out))
 
 def as_stranger(d: Daemon, *steps: dict) -> list[dict]:
     r = subprocess.run([sys.executable, "-c", PROBE, str(STRANGER), d.socket_path, json.dumps(list(steps))],
-                       cwd=str(ROOT), env=child_env(), capture_output=True, text=True, timeout=120)
+                       cwd=str(ROOT), env=child_env(), capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 0, r.stderr
     who, *results = json.loads(r.stdout.strip().splitlines()[-1])
     assert who == {"uid": STRANGER}
