@@ -131,7 +131,8 @@ class Tiers:
         result = await loop.run_in_executor(self.reader_pool, block_file.scan, self.disk.root)
         now = self.now()
         for path, meta in sorted(result.blocks, key=lambda b: b[1].stored_at):
-            e = Entry(NamespaceId(meta.namespace), BlockHash(meta.hash), meta.payload_len, meta.checksum, meta.stored_at, deadline=meta.deadline,
+            e = Entry(NamespaceId(meta.namespace), BlockHash(meta.hash), meta.payload_len, meta.checksum, meta.stored_at,
+                      deadline=meta.deadline,
                       reuse=meta.reuse, disk_path=path, disk_deadline=meta.deadline)
             self.index.add(e)
             self.disk.adopt(e)
