@@ -6,8 +6,8 @@ each channel the daemon serves it on, each beside that channel's empty round tri
 Starts a real daemon subprocess, stores `--stored` blocks, then times, one call at a time:
   Lookup channel  the daemon's plain Unix socket (<socket_path>.lookup, kvservice/api/lookup_channel.py):
                   its empty round trip (KVClient.lookup of 0 hashes), and Lookup of `--hashes` through
-                  KVClient.lookup and KVClient.submit_lookup(...).result() (what model_runner's scheduler
-                  sends), and as raw frames without the client;
+                  KVClient.lookup, KVClient.submit_lookup(...).result() and submit_lookup until its done
+                  callback runs (what model_runner's scheduler waits for), and as raw frames, no client;
   gRPC            the same through a KVClient(lookup_channel=False) (a synchronous gRPC channel from the
                   caller's thread), raw stubs, AsyncKVClient.lookup in its loop, the daemon's Heartbeat;
   floor           gRPC alone: an empty unary call to a bare grpc.aio echo server (a subprocess, Unix
@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 
@@ -115,6 +116,25 @@ def bare_floor(iters: int) -> dict[str, list[float]]:
 TARGET_P50_MS, TARGET_P99_MS = 0.3, 1.0
 
 
+def to_callback(client: KVClient, hashes: list[bytes], iters: int) -> list[float]:
+    """submit_lookup() until its done callback runs: what model_runner's scheduler waits for (it
+    never calls result(); the callback runs on the client's thread that got the answer)."""
+    out: list[float] = []
+    done = threading.Event()
+    t0 = [0.0]
+
+    def answered(_f: object) -> None:
+        out.append((time.perf_counter() - t0[0]) * 1e3)
+        done.set()
+
+    for i in range(WARMUP + iters):
+        done.clear()
+        t0[0] = time.perf_counter()
+        client.submit_lookup(hashes).add_done_callback(answered)
+        done.wait(10)
+    return out[WARMUP:]
+
+
 def channel_frames(path: str, payload: bytes, iters: int) -> list[float]:
     """Raw LookupRequest frames on one connection to the Lookup channel: no client code around them."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
@@ -163,6 +183,8 @@ def main() -> None:
         rows.append((ch, f"Lookup x{n}: KVClient.lookup", timed_sync(lambda: client.lookup(hashes), a.iters), True))
         rows.append((ch, f"Lookup x{n}: KVClient.submit_lookup().result()",
                      timed_sync(lambda: client.submit_lookup(hashes).result(), a.iters), True))
+        rows.append((ch, f"Lookup x{n}: KVClient.submit_lookup() to its done callback", to_callback(client, hashes,
+                                                                                                   a.iters), True))
         path = lookup_socket_path(d.socket_path)
         rows.append((ch, "empty round trip: raw frames, no client", channel_frames(path, empty.SerializeToString(),
                                                                                    a.iters), False))
@@ -175,6 +197,8 @@ def main() -> None:
         rows.append((g, f"Lookup x{n}: KVClient.lookup", timed_sync(lambda: grpc_client.lookup(hashes), a.iters), True))
         rows.append((g, f"Lookup x{n}: KVClient.submit_lookup().result()",
                      timed_sync(lambda: grpc_client.submit_lookup(hashes).result(), a.iters), True))
+        rows.append((g, f"Lookup x{n}: KVClient.submit_lookup() to its done callback",
+                     to_callback(grpc_client, hashes, a.iters), True))
         hb = kvcache_pb2.HeartbeatRequest(session_id=client.session_id)
         with grpc.insecure_channel(d.target) as chan:
             stub = kvcache_pb2_grpc.KVCacheStub(chan)
