@@ -141,8 +141,8 @@ def main() -> None:
     print("us per block, best of", a.rounds, "rounds; core: the call with no-op copies (same run)")
     print()
     print("| block | batch | gather_into | store | store core | store core cpu | scatter_from | load | load core "
-          "| load core cpu | store_hit | lookup | prefetch | prefetch cpu |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| load core cpu | store_hit | store_hit cpu | lookup | lookup cpu | prefetch | prefetch cpu |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for bb in sizes:
             for n in batches:
@@ -151,7 +151,8 @@ def main() -> None:
                 print(f"| {bb // 1024} KiB | {n} | {us['gather_into']:.2f} | {us['store']:.2f} "
                       f"| {us['store_core']:.2f} | {us['store_core_cpu']:.2f} | {us['scatter_from']:.2f} "
                       f"| {us['load']:.2f} | {us['load_core']:.2f} | {us['load_core_cpu']:.2f} "
-                      f"| {us['store_hit']:.2f} | {us['lookup']:.2f} | {us['prefetch']:.2f} "
+                      f"| {us['store_hit']:.2f} | {us['store_hit_cpu']:.2f} | {us['lookup']:.2f} "
+                      f"| {us['lookup_cpu']:.2f} | {us['prefetch']:.2f} "
                       f"| {us['prefetch_cpu']:.2f} |", flush=True)
 
 

@@ -325,12 +325,18 @@ class BlockCache:
                                      results: StoreResults) -> None:
         """ALREADY_STORED for ready blocks, retained for ttl when asked (new deadlines persisted)."""
         persist: list[Entry] = []
+        already = StoreStatus.ALREADY_STORED
+        if not ttl:  # the usual hit: a status, and the deadline of a block still retained
+            status = results.status
+            for i, e in hits:
+                if e.deadline > now:
+                    results.set(i, already, e.deadline)
+                else:
+                    status[i] = already
+            return
         for i, e in hits:
-            if ttl:
-                if self._retain_one(e, ttl, now, StoreStatus.ALREADY_STORED, results, i):
-                    persist.append(e)
-            else:
-                results.set(i, StoreStatus.ALREADY_STORED, e.deadline if e.deadline > now else 0.0)
+            if self._retain_one(e, ttl, now, already, results, i):
+                persist.append(e)
         for e in persist:
             await self._t.persist_deadline(e)
 
@@ -463,18 +469,18 @@ class BlockCache:
         t = self._t
         life = t.life
         results = LoadResults(len(hs))
-        get = t.index.namespace(s.namespace).get
         on_disk_state = DiskState.ON_DISK
-        pos: list[int] = []  # positions found
-        found: list[Entry] = []
-        missing: list[int] = []
-        for i, h in enumerate(hs):
-            e = get(h)
-            if e is None or not e.ready or (e.slot < 0 and e.disk != on_disk_state):
-                missing.append(i)
-                continue
-            pos.append(i)
-            found.append(e)
+        found: list[Entry] = list(map(t.index.namespace(s.namespace).get, hs))
+        missing = [i for i, e in enumerate(found)
+                   if e is None or not e.ready or (e.slot < 0 and e.disk != on_disk_state)]
+        if not missing:  # every block found (the usual Load): no per-block split
+            pos: list[int] = list(range(len(hs)))  # positions found
+            bids = ids
+        else:
+            gone = set(missing)
+            pos = [i for i in range(len(hs)) if i not in gone]
+            found = [found[i] for i in pos]
+            bids = [ids[i] for i in pos]
         if missing:
             status = results.status
             for i in missing:
@@ -484,17 +490,21 @@ class BlockCache:
         handed_over = False  # once the scatter runs, its thread drops the pins when it is done
         try:
             host_ids, host_slots, srcs, disk_ids, served, tiers_of, disk_loads = await self._collect_bytes(
-                s, pos, [ids[i] for i in pos], found, results)
+                s, pos, bids, found, results)
             if host_ids or srcs:
                 handed_over = True
                 await self._copy(_scatter, s.memory, t.host.arena, host_ids, host_slots, disk_ids, srcs,
                                  on_abandon=lambda: life.unpin(found))
             status, tiers = results.status, results.tier
             loaded = int(LoadStatus.LOADED)
-            for k in served:
-                i = pos[k]
-                status[i] = loaded
-                tiers[i] = tiers_of[k]
+            if len(served) == len(status):  # all served, in order: whole-array results
+                status[:] = [loaded] * len(status)
+                tiers[:] = tiers_of
+            else:
+                for k in served:
+                    i = pos[k]
+                    status[i] = loaded
+                    tiers[i] = tiers_of[k]
             chain = [found[k] for k in served] if len(served) < len(found) else found
             life.loaded(s.id, chain)
             if len(served) - disk_loads:
@@ -523,9 +533,10 @@ class BlockCache:
         t = self._t
         host = int(Tier.HOST)
         # slots are pinned by the caller: a spill that finishes meanwhile leaves them in place
-        on_disk = [k for k, e in enumerate(found) if e.slot < 0]
-        if not on_disk:  # all host hits: one scatter_from of their slots
-            return bids, [e.slot for e in found], [], [], range(len(found)), [host] * len(found), 0
+        slots = list(map(_slot_of, found))
+        if not found or min(slots) >= 0:  # all host hits: one scatter_from of their slots
+            return bids, slots, [], [], range(len(found)), [host] * len(found), 0
+        on_disk = [k for k, off in enumerate(slots) if off < 0]
         disk_entries = [found[k] for k in on_disk]
         reads = await t.read_batch(disk_entries, s.memory.alloc_host, s.block_bytes)
         read_of = dict(zip(on_disk, reads))
@@ -804,6 +815,7 @@ class BlockCache:
 
 _HASH_DTYPE = np.dtype(f"V{HASH_BYTES}")
 _ready = operator.attrgetter("ready")
+_slot_of = operator.attrgetter("slot")
 GC_YOUNG_THRESHOLD = 50_000  # allocations between young collections (CPython's default: 700)
 
 

@@ -177,6 +177,10 @@ class Lifecycle:
 
     def unpin(self, entries: Iterable[Entry]) -> None:
         """Drop one pin of each; a slot whose release waited for its last pin goes now."""
+        if not self.releasing:  # no release waits for an unpin (release_pending is set only with one)
+            for e in entries:
+                e.pins -= 1
+            return
         for e in entries:
             e.pins -= 1
             if e.pins == 0 and e.release_pending:
