@@ -21,9 +21,13 @@ Parts (each prints a table; --parts picks some):
   daemon   through a real daemon as an engine sees it (KVClient; --pool shm on a CPU host, cuda on
            a GPU host): per block size and --formats (segments, and files for comparison), a host
            tier of one batch, --total bytes stored so all but the last batch spill (sustained:
-           timed until Stats shows every spill done, plus sync()); then the page cache is dropped
-           and every spilled block is loaded back from disk into other pool blocks and compared.
-           Ratios against the raw limits of the same run.
+           timed until Stats shows every spill done, plus sync()); with --steady a second pass of
+           --total bytes into the full tier (each spill evicts an older disk block and rewrites
+           its slot: a running daemon's steady state, and what the raw sweep's rewrites measure);
+           then the page cache is dropped and the spilled blocks are loaded back from disk into
+           other pool blocks and compared, split between --load-depth values (Loads in flight at
+           once: 1 = one after another; 4 = an engine with four parked requests, as model_runner
+           submits them). Ratios against the raw limits of the same run.
   restart  --restart-blocks blocks of 4 KiB, each filled with its own index pattern, written and
            closed; page cache dropped; the time to reopen (DiskStore(...) = metadata load and every
            check) is the store's restart figure; every block is read back and checked byte-exact;
@@ -237,10 +241,18 @@ def _pattern(i: int, block: int) -> np.ndarray:
 
 
 def daemon_case(directory: Path, fmt: str, block: int, total: int, batch_bytes: int, pool_kind: str,
-                threads: int, load_bytes: int = 0) -> dict:
+                threads: int, load_bytes: int = 0, depths: tuple[int, ...] = (1,), steady: bool = False) -> dict:
     """load_bytes: blocks per Load (default: batch_bytes, one Store's worth); the host tier holds
-    one Load's blocks (or one Store's, whichever is more), so every Load's disk blocks land in host
-    slots and every block beyond it spills."""
+    the blocks of the most Loads in flight (or one Store's, whichever is more), so every Load's
+    disk blocks land in host slots and every block beyond it spills.
+
+    Spill: `total` bytes stored into an empty disk tier (every slot a fresh extent of a new
+    segment file). steady: then `total` bytes more (new hashes, the same pool blocks), so the
+    tier is full and every spill evicts an older disk block and rewrites its slot - the
+    steady state of a running daemon, and what the raw sweep (rewrites of one file) measures.
+    Cold load: the spilled blocks of the last pass, split between `depths` (Loads in flight at
+    once: 1 = one after another; more = an engine whose parked requests each wait on a Load, as
+    model_runner's scheduler submits them), page cache dropped before each."""
     import torch
 
     from engine_client import KVClient, Namespace
@@ -249,7 +261,7 @@ def daemon_case(directory: Path, fmt: str, block: int, total: int, batch_bytes: 
     n = total // block
     per_batch = max(1, batch_bytes // block)
     per_load = max(1, (load_bytes or batch_bytes) // block)
-    host_blocks = max(per_batch, per_load)
+    host_blocks = max(per_batch, per_load * max(depths))
     disk_dir = directory / f"daemon-{fmt}-{block}"
     if pool_kind == "cuda":
         from engine_client import CudaKVPool
@@ -260,8 +272,9 @@ def daemon_case(directory: Path, fmt: str, block: int, total: int, batch_bytes: 
     gen = torch.Generator(device=pool.buffer.device).manual_seed(block)
     pool.buffer[: n * block].copy_(torch.randint(0, 256, (n * block,), dtype=torch.uint8,
                                                  device=pool.buffer.device, generator=gen))
+    capacity = int(total * 1.1) + 64 * MiB
     d = Daemon(directory / f"d-{fmt}-{block}", host_capacity=host_blocks * block,
-               disk_capacity=int(total * 1.1) + 64 * MiB, disk_path=str(disk_dir), io_backend="auto",
+               disk_capacity=capacity, disk_path=str(disk_dir), io_backend="auto",
                lease_seconds=None, log_level="warning",
                extra=["--disk-format", fmt, "--max-batch-blocks", "65536", "--reader-threads", str(threads),
                       "--writer-threads", str(threads), "--write-queue-depth", "1024"])
@@ -270,34 +283,49 @@ def daemon_case(directory: Path, fmt: str, block: int, total: int, batch_bytes: 
         client = KVClient(d.target, Namespace("bench-disk", "uint8", 16, "block-contiguous"), pool,
                           client_name="bench/disk_tier.py", timeout=600.0)
         client.connect(required=True)
-        hashes = [os.urandom(32) for _ in range(n)]
-        spills0 = d.stats().counters.spills
-        t0 = time.perf_counter()
-        for lo in range(0, n, per_batch):
-            hi = min(n, lo + per_batch)
-            res = client.store(hashes[lo:hi], list(range(lo, hi)))
-            assert all(r.status == 1 for r in res), res[0]
         spilled = n - host_blocks
-        while True:
-            s = d.stats()
-            if s.counters.spills - spills0 >= spilled and s.write_queue_depth == 0 and s.writes_in_progress == 0:
-                break
-            time.sleep(0.002)
-        os.sync()
-        spill_s = time.perf_counter() - t0
-        cache = drop_caches()
-        t0 = time.perf_counter()
-        for lo in range(0, spilled, per_load):
-            hi = min(spilled, lo + per_load)
-            res = client.load(hashes[lo:hi], list(range(n + lo, n + hi)))
-            assert all(r.status == 1 and r.tier == 3 for r in res), res[0]
-        load_s = time.perf_counter() - t0
+
+        def spill_pass() -> tuple[list[bytes], float]:
+            hashes = [os.urandom(32) for _ in range(n)]
+            spills0 = d.stats().counters.spills
+            t0 = time.perf_counter()
+            for lo in range(0, n, per_batch):
+                hi = min(n, lo + per_batch)
+                res = client.store(hashes[lo:hi], list(range(lo, hi)))
+                assert all(r.status == 1 for r in res), res[0]
+            while True:
+                s = d.stats()
+                if s.counters.spills - spills0 >= spilled and s.write_queue_depth == 0 and s.writes_in_progress == 0:
+                    break
+                time.sleep(0.002)
+            os.sync()
+            return hashes, spilled * block / (time.perf_counter() - t0) / 1e9
+
+        hashes, spill_gbps = spill_pass()
+        steady_gbps = 0.0
+        if steady:
+            hashes, steady_gbps = spill_pass()
+        cache = ""
+        loads: dict[int, float] = {}
+        cut = [spilled * k // len(depths) for k in range(len(depths) + 1)]
+        for depth, a, b in zip(depths, cut[:-1], cut[1:]):
+            cache = drop_caches()
+            pending: list = []
+            t0 = time.perf_counter()
+            for lo in range(a, b, per_load):
+                hi = min(b, lo + per_load)
+                pending.append(client.submit_load(hashes[lo:hi], list(range(n + lo, n + hi))))
+                while len(pending) >= depth or (pending and hi == b):
+                    res = pending.pop(0).result()
+                    assert all(r.status == 1 and r.tier == 3 for r in res), res[0]
+            loads[depth] = (b - a) * block / (time.perf_counter() - t0) / 1e9
         exact = bool(torch.equal(pool.buffer[: spilled * block], pool.buffer[n * block: (n + spilled) * block]))
         files = sum(f.stat().st_size for f in disk_dir.rglob("*") if f.is_file())
         client.close()
-        return {"format": fmt, "block": block, "blocks": spilled, "load_bytes": per_load * block, "spill_gbps": spilled * block / spill_s / 1e9,
-                "load_gbps": spilled * block / load_s / 1e9, "exact": exact, "cache": cache, "pool": pool_kind,
-                "files_bytes": files, "capacity": int(total * 1.1) + 64 * MiB}
+        return {"format": fmt, "block": block, "blocks": spilled, "load_bytes": per_load * block,
+                "spill_gbps": spill_gbps, "steady_spill_gbps": steady_gbps, "load_gbps": loads[depths[0]],
+                "loads_by_depth": loads, "exact": exact, "cache": cache, "pool": pool_kind,
+                "files_bytes": files, "capacity": capacity}
     finally:
         d.close()
         pool.close()
@@ -400,6 +428,10 @@ def main() -> int:
     p.add_argument("--batch-bytes", default="64MiB", help="bytes per DiskStore.write/read call, and per Store")
     p.add_argument("--load-bytes", default="", help="daemon part: bytes per Load, comma-separated for several "
                    "runs (default: --batch-bytes)")
+    p.add_argument("--load-depth", default="1", help="daemon part: Loads in flight at once, comma-separated: "
+                   "the spilled blocks are split between them (1: one Load after another)")
+    p.add_argument("--steady", action="store_true", help="daemon part: a second spill pass into the full tier "
+                   "(every spill evicts an older disk block and rewrites its slot), reported beside the first")
     p.add_argument("--writers", type=int, default=4, help="threads calling write (the daemon's writer pool)")
     p.add_argument("--readers", type=int, default=4, help="threads calling read")
     p.add_argument("--io-threads", type=int, default=32, help="DiskStore's own request threads (the daemon's)")
@@ -434,8 +466,9 @@ def main() -> int:
                 best["runs"] = runs
                 result["store"].append(best)
         if "daemon" in parts:
+            depths = tuple(int(x) for x in a.load_depth.split(","))
             result["daemon"] = [daemon_case(work, fmt, parse_size(b), parse_size(a.total), parse_size(a.batch_bytes),
-                                            a.pool, a.readers, parse_size(lb) if lb else 0)
+                                            a.pool, a.readers, parse_size(lb) if lb else 0, depths, a.steady)
                                 for b in a.block_sizes.split(",") for fmt in a.formats.split(",")
                                 for lb in (a.load_bytes.split(",") if a.load_bytes else [""])]
         if "raw" in parts:
@@ -478,13 +511,20 @@ def main() -> int:
         if "daemon" in parts:
             lim = result.get("limit", {})
             print(f"## through the daemon ({a.pool} pool; spill sustained incl. sync; load from a cold disk, bytes compared)\n")
-            print("| format | block | Load size | blocks | spill GB/s | x raw write | disk load GB/s | x raw read | exact | files / capacity |")
-            print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+            print("spill: into an empty tier (fresh extents); steady: a second pass into the full tier (every spill "
+                  "evicts a disk block and rewrites its slot). Load depth: Loads in flight at once.\n")
+            print("| format | block | Load size | blocks | spill GB/s | x raw write | steady spill GB/s | x raw write | "
+                  "Load depth | disk load GB/s | x raw read | exact | files / capacity |")
+            print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
             for r in result["daemon"]:
-                wr = f"{r['spill_gbps'] / lim['write']:.2f}" if lim else "-"
-                rd = f"{r['load_gbps'] / lim['read']:.2f}" if lim else "-"
-                print(f"| {r['format']} | {fmt(r['block'])} | {fmt(r['load_bytes'])} | {r['blocks']} | {r['spill_gbps']:.2f} | {wr} | "
-                      f"{r['load_gbps']:.2f} | {rd} | {r['exact']} | {r['files_bytes'] / r['capacity']:.3f} |")
+                def x(v: float, op: str) -> str:
+                    return f"{v / lim[op]:.2f}" if lim and v else "-"
+                st = f"{r['steady_spill_gbps']:.2f}" if r["steady_spill_gbps"] else "-"
+                for k, (depth, gbps) in enumerate(r["loads_by_depth"].items()):
+                    head = (f"{r['spill_gbps']:.2f} | {x(r['spill_gbps'], 'write')} | {st} | "
+                            f"{x(r['steady_spill_gbps'], 'write')}") if k == 0 else "\" | \" | \" | \""
+                    print(f"| {r['format']} | {fmt(r['block'])} | {fmt(r['load_bytes'])} | {r['blocks']} | {head} | "
+                          f"{depth} | {gbps:.2f} | {x(gbps, 'read')} | {r['exact']} | {r['files_bytes'] / r['capacity']:.3f} |")
             print()
         if "restart" in parts:
             r = result["restart"] = restart_case(work, a.restart_blocks)

@@ -18,6 +18,7 @@ import pytest
 from kvservice.checksum import checksum
 from kvservice.disk import ALIGN, BlockWrite, DiskStore, FaultKind, aligned_buffer, make_loc, split_loc
 from kvservice.disk import batch_io, segment
+from kvservice.disk.metadata import MetadataError
 from kvservice.disk.slots import SlotAllocator, slot_class
 
 REPO = Path(__file__).resolve().parents[1]
@@ -125,6 +126,109 @@ def test_freed_slots_are_reused_only_after_their_delete_commits():
     assert alloc.allocate(4096, 2) == locs[:2]
     alloc.release([make_loc(2, 3)])  # a write that never committed: free at once
     assert alloc.allocate(4096, 1) == [make_loc(2, 3)]
+
+
+def test_a_quarantined_slot_is_reserved_pending_and_never_handed_out_free():
+    """Scenario: with no free slot and no budget left, allocate_retired hands out a quarantined
+    slot (lowest first) as pending; plain allocate still refuses it; a pending reservation that
+    is cancelled goes back to the quarantine, not the free list; once the delete commits
+    (settle) a pending slot is an ordinary reservation and the used count is unchanged."""
+    alloc = SlotAllocator(lambda slots, nbytes: nbytes <= 4 * 4096, segment_target=4 * 4096)
+    locs = alloc.allocate(4096, 4)
+    alloc.retire([locs[2], locs[1]])
+    assert alloc.allocate(4096, 1) is None and alloc.quarantined() == 2
+    assert alloc.allocate_retired(4096, 3) is None  # two quarantined, no free: all or nothing
+    got = alloc.allocate_retired(4096, 1)
+    assert got == [locs[1]] and alloc.pending(locs[1]) and not alloc.pending(locs[2])
+    assert alloc.quarantined() == 1 and alloc.segments[1].used == 4
+    alloc.release(got)  # the write never happened: its old row may still be on disk
+    assert not alloc.pending(locs[1]) and alloc.quarantined() == 2 and alloc.allocate(4096, 1) is None
+    assert alloc.allocate_retired(4096, 2) == [locs[1], locs[2]]
+    alloc.settle([locs[1], locs[2]])
+    assert not alloc.pending(locs[1]) and alloc.quarantined() == 0 and alloc.segments[1].used == 4
+    assert alloc.allocate(4096, 1) is None  # both are reservations now, not free slots
+    alloc.release([locs[1]])
+    assert alloc.allocate(4096, 1) == [locs[1]]
+
+
+def test_a_full_tier_reuses_a_freed_slot_committing_its_delete_before_the_write(tmp_path, monkeypatch):
+    """Scenario: a full tier frees a block and reserves its slot at once (no metadata commit on the
+    reserving thread); the write commits the old row's delete before any byte lands, so a restart
+    shows the new block there, byte-exact, and never the old key. When that delete cannot commit
+    (MetadataError injected at the SQLite boundary: a failing commit cannot be caused reliably on
+    a real filesystem here), the block is a per-block fault, the slot's old bytes are untouched and
+    the old key still reads back exact after a restart."""
+    root = tmp_path / "disk"
+    store = open_store(root, 6 * MiB, segment_bytes=MiB)
+    n = store.room(256 * KiB)
+    locs, res = spill(store, list(range(n)), 256 * KiB)
+    assert res == [None] * n and store.reserve([256 * KiB]) == [None]
+    commits = []
+    real_commit = store._meta.commit
+    monkeypatch.setattr(store, "_pool", _NoBackground(store._pool))  # keep free()'s background commit from racing
+    monkeypatch.setattr(store._meta, "commit", lambda **kw: (commits.append(kw), real_commit(**kw))[1])
+    store.free([locs[0]])
+    again = store.reserve([256 * KiB])
+    assert again == [locs[0]] and not commits  # reserved before the delete committed
+    _, res = spill_at(store, again, [1000], 256 * KiB)
+    assert res == [None]
+    assert any(locs[0] in list(c.get("deletes", ())) for c in commits[:1])  # the delete came first
+    # the delete cannot commit: the next reuse is refused per block, nothing written
+    def failing(**kw):
+        if list(kw.get("deletes", ())):
+            raise MetadataError("injected: database is locked")
+        return real_commit(**kw)
+    monkeypatch.setattr(store._meta, "commit", failing)
+    store.free([locs[1]])
+    again = store.reserve([256 * KiB])
+    assert again == [locs[1]]
+    _, res = spill_at(store, again, [2000], 256 * KiB)
+    assert res[0] is not None and res[0].kind == FaultKind.IO_ERROR and "did not commit" in res[0].message
+    assert store.reserve([256 * KiB]) == [locs[1]]  # back in the quarantine, reservable again (pending)
+    store.cancel([locs[1]])
+    monkeypatch.undo()
+    store._deletes.remove(locs[1])  # the crash: the delete of locs[1] never reaches the database
+    store.close()
+    store = open_store(root, 6 * MiB, segment_bytes=MiB)
+    recs = {r.loc: int.from_bytes(r.hash[:8], "little") for r in store.recovered.records()}
+    assert recs[locs[0]] == _key_id(1000) and recs[locs[1]] == _key_id(1)
+    outs, res = read_back(store, [locs[0], locs[1]], 256 * KiB)
+    assert res == [None, None]
+    assert np.array_equal(outs[0], content(1000, 256 * KiB)) and np.array_equal(outs[1], content(1, 256 * KiB))
+    store.close()
+
+
+class _NoBackground:
+    """The store's I/O pool, minus the background metadata commits free() submits."""
+
+    def __init__(self, pool) -> None:
+        self._inner = pool
+
+    def submit(self, fn, *a, **k):
+        if getattr(fn, "__name__", "") == "_background_flush":
+            import concurrent.futures
+            f = concurrent.futures.Future()
+            f.set_result(None)
+            with fn.__self__._lock:
+                fn.__self__._flushing = False
+            return f
+        return self._inner.submit(fn, *a, **k)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def _key_id(i: int) -> int:
+    return int.from_bytes(key(i)[:8], "little")
+
+
+def spill_at(store: DiskStore, locs: list[int], ids: list[int], n: int) -> tuple[list[int], list]:
+    bufs = []
+    for i in ids:
+        b = aligned_buffer(n)
+        b[:] = content(i, n)
+        bufs.append(b)
+    return locs, store.write(locs, [BlockWrite("ns", key(i), checksum(b), stored_at=NOW + i) for i, b in zip(ids, bufs)], bufs)
 
 
 def test_an_empty_segment_of_another_class_gives_its_budget_back(tmp_path):

@@ -11,12 +11,16 @@ Primitives:
   release(locs)                            slots of writes that never committed: free at once
   retire(locs) / settle(locs)              a committed block leaves: its slot is quarantined until
                                            the metadata delete has committed, then free again
+  allocate_retired(slot_bytes, n)          like allocate, falling back on quarantined slots, handed
+                                           out as pending (their delete not committed yet): the
+                                           writer commits the deletes before writing (pending(loc))
   planned() / created(seg) / drop(seg)     segments chosen but not yet on disk; a segment file
                                            that could not be made, or became unusable
   reclaimable()                            empty segments whose files may be removed
 
-A slot is never handed out while its old metadata row may still be on disk (the quarantine),
-so a crash can never pair a surviving row with bytes a later block wrote into the same slot.
+A slot is never written while its old metadata row may still be on disk (the quarantine; a
+pending slot is reserved but its writer commits the delete first), so a crash can never pair a
+surviving row with bytes a later block wrote into the same slot.
 """
 
 from __future__ import annotations
@@ -75,6 +79,8 @@ class SlotAllocator:
         self.segments: dict[int, Segment] = {}
         self._classes: dict[int, _Class] = {}
         self._quarantine: set[int] = set()
+        self._pending: set[int] = set()  # quarantined slots reserved already (allocate_retired)
+        self._retired: dict[int, list[int]] = {}  # per class: heap of quarantined locs (stale entries skipped)
         self._next_id = 1
 
     # --- state
@@ -95,7 +101,12 @@ class SlotAllocator:
         return len(c.free) if c else 0
 
     def quarantined(self) -> int:
-        return len(self._quarantine)
+        """Quarantined slots no reservation holds yet."""
+        return len(self._quarantine) - len(self._pending)
+
+    def pending(self, loc: int) -> bool:
+        """A reserved slot whose previous block's delete has not committed: commit before writing."""
+        return loc in self._pending
 
     def can_grow(self, slot_bytes: int) -> bool:
         """Whether the budget admits at least one more slot of this class, reclaiming nothing."""
@@ -127,13 +138,40 @@ class SlotAllocator:
             self.segments[split_loc(loc)[0]].used += 1
         return locs
 
+    def allocate_retired(self, slot_bytes: int, n: int) -> list[int] | None:
+        """Free slots of the class, then quarantined ones (lowest first, marked pending), then
+        allocate() (new segments); None (nothing changed) if none of that adds up. Reusing a
+        slot before growing keeps a full tier's spills in the slots its evictions free, with no
+        metadata commit before the reservation (the write commits the deletes, once a batch)."""
+        c = self._classes.setdefault(slot_bytes, _Class())
+        short = n - len(c.free)
+        if short <= 0:
+            return self.allocate(slot_bytes, n)
+        heap = self._retired.get(slot_bytes, [])
+        while heap and (heap[0] not in self._quarantine or heap[0] in self._pending):
+            heapq.heappop(heap)  # stale: settled, dropped or pending since
+        if short > 1:  # the heap may hold stale and repeated entries below its top: count exactly
+            if len({loc for loc in heap if loc in self._quarantine and loc not in self._pending}) < short:
+                return self.allocate(slot_bytes, n)
+        elif not heap:  # a non-empty heap's top is live (cleaned above)
+            return self.allocate(slot_bytes, n)
+        locs = [heapq.heappop(c.free) for _ in range(min(n, len(c.free)))]
+        for loc in locs:
+            self.segments[split_loc(loc)[0]].used += 1
+        while len(locs) < n:
+            loc = heapq.heappop(heap)
+            if loc in self._quarantine and loc not in self._pending:
+                self._pending.add(loc)  # still counted in its segment's used slots
+                locs.append(loc)
+        return locs
+
     def _plan(self, slot_bytes: int, need: int) -> bool:
         """Plan new segments of this class for `need` slots; all or nothing."""
         planned: list[Segment] = []
         total, nbytes = self.total_slots, self.segment_bytes
         per_file = max(1, self.segment_target // slot_bytes)
         while need > 0:
-            slots = per_file
+            slots = per_file if self._budget(total + 1, nbytes + slot_bytes) else 0  # a full tier: at once
             while slots > 0 and not self._budget(total + slots, nbytes + slots * slot_bytes):
                 slots //= 2  # the last file may be smaller than the target
             if slots == 0:
@@ -165,21 +203,36 @@ class SlotAllocator:
         return False
 
     def release(self, locs: Iterable[int]) -> None:
-        """Slots whose writes never committed: no row can name them, free at once."""
+        """Slots whose writes never committed: no row can name them, free at once (a pending
+        one goes back to the quarantine: its old row may still be on disk)."""
         for loc in locs:
             seg = self.segments.get(split_loc(loc)[0])
             if seg is None:
+                continue
+            if loc in self._pending:
+                self._pending.discard(loc)
+                heapq.heappush(self._retired.setdefault(seg.slot_bytes, []), loc)
                 continue
             seg.used -= 1
             heapq.heappush(self._classes[seg.slot_bytes].free, loc)
 
     def retire(self, locs: Iterable[int]) -> None:
         """Committed blocks leaving: quarantined until their delete commits (settle)."""
-        self._quarantine.update(locs)
+        for loc in locs:
+            seg = self.segments.get(split_loc(loc)[0])
+            if seg is not None and loc not in self._quarantine:
+                self._quarantine.add(loc)
+                heapq.heappush(self._retired.setdefault(seg.slot_bytes, []), loc)
 
     def settle(self, locs: Iterable[int]) -> None:
+        """Their deletes committed: quarantined slots are free again, pending ones plain reservations."""
         locs = [loc for loc in locs if loc in self._quarantine]
         self._quarantine.difference_update(locs)
+        if self._pending:
+            held = [loc for loc in locs if loc in self._pending]
+            self._pending.difference_update(held)
+            if held:
+                locs = [loc for loc in locs if loc not in set(held)]
         self.release(locs)
 
     # --- segment files
@@ -199,10 +252,17 @@ class SlotAllocator:
         c.free = [loc for loc in c.free if split_loc(loc)[0] != seg_id]
         heapq.heapify(c.free)
         self._quarantine = {loc for loc in self._quarantine if split_loc(loc)[0] != seg_id}
+        self._pending = {loc for loc in self._pending if split_loc(loc)[0] != seg_id}
+        if seg.slot_bytes in self._retired:
+            heap = [loc for loc in self._retired[seg.slot_bytes] if split_loc(loc)[0] != seg_id]
+            heapq.heapify(heap)
+            self._retired[seg.slot_bytes] = heap
         return seg
 
     def reclaimable(self, keep_class: int | None = None) -> list[Segment]:
         """Empty segment files on disk (no used or quarantined slot), other than of keep_class."""
+        empty = [s for s in self.segments.values() if s.on_disk and s.used == 0 and s.slot_bytes != keep_class]
+        if not empty:  # the usual case, and cheap: quarantined slots count as used
+            return []
         busy = {split_loc(loc)[0] for loc in self._quarantine}
-        return [s for s in self.segments.values()
-                if s.on_disk and s.used == 0 and s.id not in busy and s.slot_bytes != keep_class]
+        return [s for s in empty if s.id not in busy]

@@ -298,7 +298,9 @@ class DiskStore:
 
     def _allocate(self, sb: int, n: int) -> list[int] | None:
         with self._lock:
-            locs = self._alloc.allocate(sb, n)
+            # free slots, then slots whose old rows' deletes are queued (reserved now, the write
+            # commits the deletes first), then new segments
+            locs = self._alloc.allocate_retired(sb, n)
             if locs is not None:
                 return locs
             empties = self._alloc.reclaimable(keep_class=sb)
@@ -351,6 +353,10 @@ class DiskStore:
                                       f"does not fit slot class {int(want[i])}")
         self._create_planned({int(seg_of[i]) for i in range(n) if faults[i] is None})
         with self._lock:
+            pending = [i for i in range(n) if faults[i] is None and self._alloc.pending(int(la[i]))]
+        if pending:
+            self._commit_deletes_first(pending, la, faults)
+        with self._lock:
             for i in range(n):
                 if faults[i] is None and int(seg_of[i]) not in self._files:
                     sid = int(seg_of[i])
@@ -389,6 +395,21 @@ class DiskStore:
             elif len(bad) < n:
                 self.read_only_fault = None
         return faults
+
+    def _commit_deletes_first(self, idx: list[int], la: np.ndarray, faults: list) -> None:
+        """Slots reserved before their previous blocks' deletes committed (allocate_retired): commit
+        the queued deletes now, on this writer thread and once for the batch, before any byte of
+        the new blocks lands there; a slot whose delete still did not commit is not written."""
+        try:
+            self.flush()
+            fault = DiskFault(FaultKind.IO_ERROR, "block not written: the delete of its slot's previous block "
+                              "has not committed")
+        except (MetadataError, OSError) as e:
+            fault = fault_of(e, "block not written: the delete of its slot's previous block did not commit")
+        with self._lock:
+            for i in idx:
+                if self._alloc.pending(int(la[i])):
+                    faults[i] = fault
 
     def _request_size(self, total: int) -> int:
         """Large requests, and several of them per call: a batch is split into about FANOUT
