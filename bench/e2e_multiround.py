@@ -185,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = tier_settings(shape, a.disk_host_prompts)
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[a.dtype]
     bb = PRESETS[a.model].kv_bytes_per_token(dtype_bytes) * TPB
-    names = [n for n in RUN_ORDER if (not a.configs or n in a.configs.split(","))
-             and (CONFIGS[n].kind != "lmb" or a.lmbenchmark)]
+    names = [n for n in (a.configs.split(",") if a.configs else RUN_ORDER)  # --configs: in the order given
+             if CONFIGS[n].kind != "lmb" or a.lmbenchmark]
     for n in ("disk_p4", "disk_p0"):
         CONFIGS[n] = dataclasses.replace(CONFIGS[n], rate_factor=a.disk_rate_factor)
     out = Path(a.out)

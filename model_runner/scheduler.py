@@ -154,8 +154,14 @@ class Scheduler:
         fut = seq.lookup
         if fut is None or not fut.done() or fut.cancelled() or fut.exception() is not None:
             return False
-        if seq.lookup_refreshed or seq.prefetch_job is not None:
-            return False  # once; and a prefetch job's staged count says what moved to host memory
+        if seq.lookup_refreshed:
+            return False  # once
+        # Also with a prefetch job: its staged count says what it moved to host memory (laid over the new
+        # answer in _stored), but not where the rest of the chain is now: planned from an enqueue-time
+        # answer, blocks that other requests' loads and stagings pushed out of the host tier meanwhile are
+        # read from disk on the request's path (the likely cause, not isolated, of the H200 disk setting at
+        # 8cc387e: the prefetch-4 engine read 74k tokens from disk on its requests' paths against 38k for
+        # prefetch 0, which refreshed; its p50 TTFT there was 50% higher).
         if time.monotonic() - seq.lookup_sent < min_age:
             return False
         stored, _ = fut.result()
