@@ -311,11 +311,11 @@ def render_md(results: dict) -> str:
                      "| process CPU s |")
             L.append("| --- | --- | --- | ---: | ---: | ---: |")
             for k, em in ems.items():
-                def fw(ph: str) -> str:
+                def fw(ph: str, em: dict = em) -> str:
                     n, t = em.get(f'model_runner_forward_seconds_count{{phase="{ph}"}}'), \
                         em.get(f'model_runner_forward_seconds_sum{{phase="{ph}"}}')
                     return f"{fmt(t, 2)} ({int(n or 0)}, {fmt(t / n * 1e3 if n else None)} ms each)"
-                sched, idle = (em.get('model_runner_loop_seconds_total{activity="%s"}' % a) for a in ("schedule", "idle"))
+                sched, idle = (em.get(f'model_runner_loop_seconds_total{{activity="{a}"}}') for a in ("schedule", "idle"))
                 L.append(f"| {k} | {fw('prefill')} | {fw('decode')} | {fmt(sched, 2)} | {fmt(idle, 2)} | "
                          f"{fmt(em.get('process_cpu_seconds_total'), 1)} |")
         probe = nr.get("miss_probe")
