@@ -215,3 +215,31 @@ def test_daemon_memory_stays_bounded_under_eight_engine_processes_of_mixed_traff
             for e in engines:
                 e.close()
         assert "Traceback" not in d.log()
+
+
+def test_placeable_is_kept_incrementally_and_matches_a_walk_of_the_segments():
+    """placeable() and max_slots() are O(1) counts kept by alloc/free: after every step of random
+    allocs and frees of three block sizes (a short last segment included), they equal the counts
+    walked segment by segment."""
+    import random
+    rng = random.Random(7)
+    arena = HostArena(200 * KiB, segment_bytes=48 * KiB)  # 4 segments of 48 KiB + one of 8 KiB
+    sizes = (4 * KiB, 8 * KiB, 16 * KiB)
+    held: dict[int, list[int]] = {s: [] for s in sizes}
+    for bb in sizes + (12 * KiB,):
+        assert arena.max_slots(bb) == sum(min(48 * KiB, 200 * KiB - o) // bb for o in range(0, 200 * KiB, 48 * KiB))
+    for _ in range(400):
+        bb = rng.choice(sizes)
+        if held[bb] and rng.random() < 0.5:
+            k = rng.randint(1, len(held[bb]))
+            rng.shuffle(held[bb])
+            gone, held[bb] = held[bb][:k], held[bb][k:]
+            arena.free(gone, bb)
+        else:
+            got = arena.alloc(bb, rng.randint(1, 80))
+            if got is not None:
+                held[bb] += got
+        for s in sizes + (12 * KiB,):
+            assert arena.placeable(s) == arena.placeable_walk(s), (s, arena.placeable(s), arena.placeable_walk(s))
+        assert arena.used_bytes == sum(len(v) * s for s, v in held.items())
+    arena.close()

@@ -430,5 +430,6 @@ class Lifecycle:
         slots = sum(e.size for e in held.values() if e.slot >= 0) + host.loose_bytes
         if slots != host.arena.used_bytes:
             problems.append(f"arena has {host.arena.used_bytes} bytes of slots taken, blocks hold {slots}")
+        problems += host.arena.audit()
         return problems
 

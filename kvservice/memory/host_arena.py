@@ -78,6 +78,12 @@ class HostArena:
                           for o in range(0, capacity_bytes, self.segment_bytes)]
         self._free_segments = list(range(len(self._segments)))  # ascending
         self._by_size: dict[int, list[int]] = {}  # block size -> its segments, ascending
+        # kept incrementally so that placeable() costs O(1), not a walk of every segment (a 64 GiB
+        # arena has 1024 of them, and a Store asks several times): free slots per block size, and
+        # the bytes of the last segment when it is shorter than the others (0: it is not)
+        self._free_slots: dict[int, int] = {}
+        last = self._segments[-1].nbytes
+        self._short = last if last < self.segment_bytes else 0
         self.start_seconds = time.monotonic() - t0
         log.info("host arena: %d bytes in %d segments of %d, %s, ready in %.2f s", capacity_bytes,
                  len(self._segments), self.segment_bytes, "pinned" if self.pinned else "pageable", self.start_seconds)
@@ -107,6 +113,7 @@ class HostArena:
                 base = seg.offset
                 out += [base + k * block_bytes for k in seg.free[:take]]
                 del seg.free[:take]
+                self._free_slots[block_bytes] -= take
                 if len(out) == n:
                     return out
         while len(out) < n:
@@ -115,6 +122,7 @@ class HostArena:
             base = seg.offset
             out += [base + k * block_bytes for k in seg.free[:take]]
             del seg.free[:take]
+            self._free_slots[block_bytes] -= take
         return out
 
     def free(self, offsets: Sequence[int], block_bytes: int) -> None:
@@ -137,6 +145,7 @@ class HostArena:
                 free = seg.free
                 free += [(off - base) // block_bytes for off in part]
                 free.sort()
+                self._free_slots[block_bytes] += len(part)
                 self._release_if_empty(s)
             return
         o = np.asarray(offsets, dtype=np.int64)
@@ -155,6 +164,7 @@ class HostArena:
             free = seg.free
             free += ((part - seg.offset) // block_bytes).tolist()
             free.sort()
+            self._free_slots[block_bytes] += len(part)
             self._release_if_empty(s)
 
     def _release_if_empty(self, s: int) -> None:
@@ -164,6 +174,7 @@ class HostArena:
             self._by_size[block_bytes].remove(s)
             if not self._by_size[block_bytes]:
                 del self._by_size[block_bytes]
+            self._free_slots[block_bytes] -= seg.slots  # a size's count stays (at 0) once it had a segment
             seg.block_bytes, seg.slots, seg.free = 0, 0, []
             bisect.insort(self._free_segments, s)
 
@@ -181,16 +192,38 @@ class HostArena:
                 seg.block_bytes, seg.slots = block_bytes, seg.nbytes // block_bytes
                 seg.free = list(range(seg.slots))
                 bisect.insort(self._by_size.setdefault(block_bytes, []), s)
+                self._free_slots[block_bytes] = self._free_slots.get(block_bytes, 0) + seg.slots
                 return seg
         raise AssertionError("no free segment: alloc checked placeable first")
 
     def placeable(self, block_bytes: int) -> int:
+        n = self._free_slots.get(block_bytes, 0)
+        free = self._free_segments
+        if free:
+            if self._short and free[-1] == len(self._segments) - 1:  # the short last segment is free
+                return n + (len(free) - 1) * (self.segment_bytes // block_bytes) + self._short // block_bytes
+            n += len(free) * (self.segment_bytes // block_bytes)
+        return n
+
+    def placeable_walk(self, block_bytes: int) -> int:
+        """placeable() counted segment by segment (tests check the incremental count against it)."""
         n = sum(len(self._segments[s].free) for s in self._by_size.get(block_bytes, []))
         return n + sum(self._segments[s].nbytes // block_bytes for s in self._free_segments)
 
+    def audit(self) -> list[str]:
+        """The incremental free-slot counts against the segments' free lists (empty: they agree)."""
+        out = []
+        for size in set(self._by_size) | set(self._free_slots):
+            walked = sum(len(self._segments[s].free) for s in self._by_size.get(size, []))
+            if walked != self._free_slots.get(size, 0):
+                out.append(f"arena counts {self._free_slots.get(size, 0)} free slots of {size} bytes, "
+                           f"its segments have {walked}")
+        return out
+
     def max_slots(self, block_bytes: int) -> int:
         """Blocks of that size the whole arena holds when it holds nothing else."""
-        return sum(seg.nbytes // block_bytes for seg in self._segments)
+        full = len(self._segments) - (1 if self._short else 0)
+        return full * (self.segment_bytes // block_bytes) + self._short // block_bytes
 
     def slot_freeing(self, offset: int, block_bytes_of_slot: int, want_bytes: int, freed_in: dict[int, int]) -> int:
         """Blocks of want_bytes that become placeable once the slot at offset (holding a block of
