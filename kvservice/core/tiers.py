@@ -768,14 +768,25 @@ class Tiers:
 
     def _clean_room(self, size: int, want: int, now: float) -> None:
         """Evict the oldest host blocks that have a disk copy (their slots go back at once, nothing
-        to write) until `want` blocks of `size` are placeable; looks at a bounded number of them."""
+        to write) until `want` blocks of `size` are placeable; looks at a bounded number of them.
+        Each clean block of `size` frees exactly one placeable slot: the leading run of those
+        leaves as one batch (one arena call); other sizes are checked one by one."""
+        short = want - self.host.placeable(size)
+        if short <= 0:
+            return
         clean = []
         for k, e in enumerate(self.host.entries_oldest_first()):
             if k >= 4 * want + 64:
                 break
             if e.disk == DiskState.ON_DISK and not e.pinned(now):
                 clean.append(e)
-        for e in clean:
+        same = 0
+        while same < len(clean) and same < short and clean[same].size == size:
+            same += 1
+        if same:
+            self._count_by_ns(clean[:same], "host_evictions")
+            self.life.evict_many(clean[:same])
+        for e in clean[same:]:
             if self.host.placeable(size) >= want:
                 return
             self._evict_from_host(e, now)
