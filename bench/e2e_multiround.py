@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from e2e import plots  # noqa: E402
+from e2e import cpus, plots  # noqa: E402
 from e2e.configs import CONFIGS, DAEMON_SETTING, ENGINES, RUN_ORDER, tier_settings  # noqa: E402
 from e2e.report import compute_targets, render_md  # noqa: E402
 from e2e.runs import Context, calibrate, log, run_lmbenchmark, run_multiround, run_no_reuse  # noqa: E402
@@ -90,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-reuse-clients", type=int, default=2)
     p.add_argument("--no-reuse-warmup", type=int, default=0, help="warm-up requests per engine [fill the GPU tier]")
     p.add_argument("--no-reuse-half-seconds", type=float, default=0.0, help="[8 on CUDA, 3 on CPU]")
+    p.add_argument("--pin-cpus", action="store_true",
+                   help="each engine on whole physical cores of its own; daemons and this client on the rest")
     p.add_argument("--disk-arrivals", choices=("poisson", "uniform"), default="poisson",
                    help="the disk setting's arrivals: a seeded Poisson process (the same schedule for both prefetch "
                         "depths; requests queue now and then, which is when prefetch can stage) or evenly spaced")
@@ -202,6 +204,13 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="kve2e-", dir="/tmp"))
     cold = None
     rc = 0
+    placement: dict[str, set[int]] = {}
+    rest: set[int] | None = None
+    if a.pin_cpus:
+        placement, rest = cpus.plan(engines)
+        ctx.results["cpus"] = {**{k: sorted(v) for k, v in placement.items()}, "daemons and client": sorted(rest)}
+        os.sched_setaffinity(0, rest)
+        log(f"CPU placement: {ctx.results['cpus']}")
     try:
         for key in daemon_keys:
             st = settings[DAEMON_SETTING[key]]
@@ -212,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             if key == "D" and a.disk_format:
                 denv["KVSERVICE_DISK_FORMAT"] = a.disk_format
             d = Daemon(work, tag=key, host_capacity=st.host_blocks * bb, disk_capacity=st.disk_blocks * bb,
-                       io_backend=a.io_backend, lease_seconds=None, log_level="warning", env=denv or None)
+                       io_backend=a.io_backend, lease_seconds=None, log_level="warning", env=denv or None, cpus=rest)
             d.log_path = out / "logs" / f"daemon-{key}.log"
             ctx.daemons[key] = d.start(timeout=180)
             log(f"daemon {key}: host {st.host_blocks * bb >> 20} MiB, disk {st.disk_blocks * bb >> 20} MiB, "
@@ -232,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                  "--max-prefill-tokens", str(a.max_prefill_tokens),
                  "--client-name", f"e2e-{key}", "--log-level", "warning",
                  "--served-model-name", a.served_name, f"{a.served_name}-alias"],
-                log_path=out / "logs" / f"engine-{key}.log", env=env)
+                log_path=out / "logs" / f"engine-{key}.log", env=env, cpus=placement.get(key))
         for key, e in ctx.engines.items():
             log(f"engine {key} ready after {e.wait_ready(a.engine_start_timeout):.1f} s")
         cal = calibrate(ctx)

@@ -36,6 +36,13 @@ def short_tmpdir(prefix: str = "kvt") -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
 
 
+def pin(cpus: set[int] | None):
+    """A Popen preexec_fn that confines the child to `cpus` (None when no pinning is asked)."""
+    if not cpus:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a child process: this checkout first on PYTHONPATH, the caller's after it
     (a GPU host's carried wheels live there)."""
@@ -47,7 +54,8 @@ class Daemon:
     def __init__(self, workdir: Path | None = None, *, tag: str = "", host_capacity: str | int = "1MiB",
                  disk_capacity: str | int = "4MiB", disk_path: str = "", tcp: bool | int = False,
                  io_backend: str = "posix", lease_seconds: float | None = 2, log_level: str = "info",
-                 extra: list[str] | None = None, env: dict[str, str] | None = None) -> None:
+                 extra: list[str] | None = None, env: dict[str, str] | None = None,
+                 cpus: set[int] | None = None) -> None:
         """tcp: False (none), True (a free loopback port) or a port number. disk_capacity 0 or "":
         no disk tier. disk_path defaults to <workdir>/disk[-tag]."""
         self.dir = Path(workdir) if workdir is not None else short_tmpdir()
@@ -69,6 +77,7 @@ class Daemon:
             self.args += ["--tcp", self.tcp_address]
         self.args += extra or []
         self.env = child_env(env)
+        self.cpus = cpus  # the CPUs it may run on (None: any)
         self.proc: subprocess.Popen | None = None
         self.log_path = self.dir / f"daemon{suffix}.log"
         self.start_seconds = 0.0  # how long the last start() took to reach SERVING
@@ -78,7 +87,8 @@ class Daemon:
         t0 = time.monotonic()
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "kvservice", "serve", *self.args],
-                                         stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=str(ROOT))
+                                         stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=str(ROOT),
+                                         preexec_fn=pin(self.cpus))
         while time.monotonic() - t0 < timeout:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()[-4000:]}")

@@ -21,15 +21,16 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from harness.daemon import ROOT, child_env, short_tmpdir
+from harness.daemon import ROOT, child_env, pin, short_tmpdir
 
 LISTENING = re.compile(r"model-runner listening on (http://\S+)")
 
 
 class ModelRunner:
-    def __init__(self, args: list[str], *, log_path: Path | None = None, env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], *, log_path: Path | None = None, env: dict[str, str] | None = None,
+                 cpus: set[int] | None = None) -> None:
         """Starts the process at once (several runners can start in parallel); wait_ready() waits.
-        `--port 0` is added unless args name a port."""
+        `--port 0` is added unless args name a port. cpus: the CPUs it may run on (default: any)."""
         self.dir = None if log_path is not None else short_tmpdir("mr")
         self.log_path = log_path if log_path is not None else self.dir / "runner.log"
         self.argv = [sys.executable, "-m", "model_runner", *args]
@@ -39,7 +40,7 @@ class ModelRunner:
         self.t0 = time.monotonic()
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=log, text=True, cwd=str(ROOT),
-                                         env=child_env(env))
+                                         env=child_env(env), preexec_fn=pin(cpus))
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 
