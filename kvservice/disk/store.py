@@ -51,7 +51,8 @@ log = logging.getLogger(__name__)
 
 META_PER_SLOT = 256  # bytes of SQLite reserved per slot: a row is ~90 B, pages may be half full
 MAX_TXN_ROWS = 512  # rows per transaction: bounds the WAL a commit can add
-FANOUT = 8  # requests a batch is split into (see _request_size)
+FANOUT = 8  # requests a write batch is split into (see _request_size)
+READ_FANOUT = 16  # and a read batch: one Load is read alone (64 MiB: 16 x 4 MiB; H200 sweep 1.80 vs 1.41 GB/s for 8 x 8)
 
 
 class FaultKind(str, enum.Enum):
@@ -411,12 +412,12 @@ class DiskStore:
                 if self._alloc.pending(int(la[i])):
                     faults[i] = fault
 
-    def _request_size(self, total: int) -> int:
-        """Large requests, and several of them per call: a batch is split into about FANOUT
+    def _request_size(self, total: int, fanout: int = FANOUT) -> int:
+        """Large requests, and several of them per call: a batch is split into about `fanout`
         requests (1 MiB to max_request each), so one call keeps several I/O threads busy and the
         calls of concurrent writers (readers) fill the rest of the pool. One stream of a virtual
         disk is far from its limit; what it needs is many bytes in flight."""
-        return max(1 << 20, min(self.max_request, -(-total // FANOUT)))
+        return max(1 << 20, min(self.max_request, -(-total // fanout)))
 
     def _sync(self, segs: dict[int, SegmentFile], runs, faults) -> None:
         for sid, f in segs.items():
@@ -557,7 +558,7 @@ class DiskStore:
             files = {s: self._files[s] for s in segs}
         bad: dict[int, DiskFault] = {}
         try:
-            size = self._request_size(int(lengths[good].sum()))
+            size = self._request_size(int(lengths[good].sum()), READ_FANOUT)
             if slots is not None:
                 runs = batch_io.plan_slots(good, la[good], slots.subset(good), files, size, reading=True)
             else:
