@@ -76,7 +76,9 @@ class SlotAllocator:
     def __init__(self, budget: Callable[[int, int], bool], segment_target: int) -> None:
         self._budget = budget
         self.segment_target = segment_target
-        self.segments: dict[int, Segment] = {}
+        self.segments: dict[int, Segment] = {}  # change only through _add / _remove (running totals)
+        self._nbytes = 0
+        self._nslots = 0
         self._classes: dict[int, _Class] = {}
         self._quarantine: set[int] = set()
         self._pending: set[int] = set()  # quarantined slots reserved already (allocate_retired)
@@ -86,11 +88,23 @@ class SlotAllocator:
     # --- state
     @property
     def segment_bytes(self) -> int:
-        return sum(s.nbytes for s in self.segments.values())
+        return self._nbytes
 
     @property
     def total_slots(self) -> int:
-        return sum(s.slots for s in self.segments.values())
+        return self._nslots
+
+    def _add(self, seg: Segment) -> None:
+        self.segments[seg.id] = seg
+        self._nbytes += seg.nbytes
+        self._nslots += seg.slots
+
+    def _remove(self, seg_id: int) -> Segment | None:
+        seg = self.segments.pop(seg_id, None)
+        if seg is not None:
+            self._nbytes -= seg.nbytes
+            self._nslots -= seg.slots
+        return seg
 
     @property
     def used_bytes(self) -> int:
@@ -119,7 +133,7 @@ class SlotAllocator:
         taken = np.zeros(slots, dtype=bool)
         taken[np.asarray(used, dtype=np.int64)] = True
         seg.used = int(taken.sum())
-        self.segments[seg_id] = seg
+        self._add(seg)
         c = self._classes.setdefault(slot_bytes, _Class())
         c.free.extend((np.flatnonzero(~taken) + (seg_id << _SLOT_BITS)).tolist())
         heapq.heapify(c.free)
@@ -177,13 +191,13 @@ class SlotAllocator:
             if slots == 0:
                 if not self._reclaim_one(exclude=slot_bytes):
                     for seg in planned:  # undo: nothing changed
-                        del self.segments[seg.id]
+                        self._remove(seg.id)
                     return False
                 total, nbytes = self.total_slots, self.segment_bytes
                 continue
             seg = Segment(self._next_id, slot_bytes, slots)
             self._next_id += 1
-            self.segments[seg.id] = seg
+            self._add(seg)
             planned.append(seg)
             total, nbytes = total + slots, nbytes + seg.nbytes
             need -= slots
@@ -245,7 +259,7 @@ class SlotAllocator:
     def drop(self, seg_id: int) -> Segment | None:
         """Forget a segment and its free slots (file not made, removed, or unusable). The caller
         must no longer hold any of its locs."""
-        seg = self.segments.pop(seg_id, None)
+        seg = self._remove(seg_id)
         if seg is None:
             return None
         c = self._classes[seg.slot_bytes]
