@@ -7,8 +7,9 @@
 
 The daemon serves the same Lookup there as on gRPC (kvservice/api/lookup_channel.py, wire in
 kvwire.lookup_frames), at a fraction of gRPC Python's round trip. Any thread may call: a call
-takes an idle connection or opens one (a few at most: one per thread calling at the same time),
-so concurrent callers do not wait for each other's round trips. Submitted Lookups share one
+takes an idle connection or opens one (one per thread calling at the same time, MAX_CONNECTIONS at
+most: a caller beyond them is told ChannelDown and uses gRPC), so concurrent callers do not wait
+for each other's round trips. Submitted Lookups share one
 pipelined connection: the caller's thread writes the request (a few KiB into the socket buffer,
 bounded by MAX_UNANSWERED_BYTES so it never waits for the daemon) and a reader thread, blocked
 in recv like a blocking caller would be, answers each in order.
@@ -43,6 +44,7 @@ from kvwire.lookup_frames import (
 from kvwire.v1 import kvcache_pb2
 
 DOWN_SECONDS = 1.0
+MAX_CONNECTIONS = 4  # blocking callers' connections per channel (plus the pipeline's one)
 # Bytes of submitted requests not answered yet, per pipeline: under any Unix socket's send buffer
 # (>= 208 KiB on Linux), so a caller's write never blocks, even when the daemon has stalled.
 MAX_UNANSWERED_BYTES = 96 << 10
@@ -62,6 +64,8 @@ class LookupChannel:
         self._idle: list[socket.socket] = []  # list.pop/append are atomic: no lock for the common case
         self._down_until = 0.0
         self._closed = False
+        self._open = 0  # connections of blocking callers, idle or in use
+        self._open_lock = threading.Lock()
         self._pipeline: LookupPipeline | None = None
         self._pipeline_lock = threading.Lock()
 
@@ -77,7 +81,7 @@ class LookupChannel:
         try:
             sock, reused = self._idle.pop(), True
         except IndexError:
-            sock, reused = self._connect(), False
+            sock, reused = self._open_one(), False
         try:
             payload = self._round_trip(sock, request)
         except ChannelDown:
@@ -85,7 +89,7 @@ class LookupChannel:
                 self._down_until = time.monotonic() + DOWN_SECONDS
                 raise
             self._drop_idle()  # connections of the same daemon life: a restart broke them all
-            sock = self._connect()
+            sock = self._open_one()
             try:
                 payload = self._round_trip(sock, request)
             except ChannelDown:
@@ -94,10 +98,10 @@ class LookupChannel:
         try:
             reply = kvcache_pb2.LookupChannelReply.FromString(payload)
         except DecodeError:
-            sock.close()
+            self._close_one(sock)
             raise ChannelDown("the Lookup channel answered something that is not a LookupChannelReply") from None
         if self._closed:
-            sock.close()
+            self._close_one(sock)
         else:
             self._idle.append(sock)
         return reply
@@ -122,6 +126,27 @@ class LookupChannel:
         if pipe is not None:
             pipe.close()
 
+    def _open_one(self) -> socket.socket:
+        """A new connection for a blocking caller, counted; ChannelDown (not marking the channel
+        down) when MAX_CONNECTIONS are open already."""
+        with self._open_lock:
+            if self._open >= MAX_CONNECTIONS:
+                raise ChannelDown(f"{MAX_CONNECTIONS} Lookup channel connections are in use")
+            self._open += 1
+        try:
+            return self._connect()
+        except BaseException:
+            self._forget_one()
+            raise
+
+    def _forget_one(self) -> None:
+        with self._open_lock:
+            self._open -= 1
+
+    def _close_one(self, sock: socket.socket) -> None:
+        sock.close()
+        self._forget_one()
+
     def _connect(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self._timeout)
@@ -142,16 +167,16 @@ class LookupChannel:
             sock.sendall(frame(request), _SEND_FLAGS)
             return read_frame(sock)
         except TimeoutError:
-            sock.close()
+            self._close_one(sock)
             raise
         except (OSError, EOFError, LookupFrameError) as e:
-            sock.close()
+            self._close_one(sock)
             raise ChannelDown(f"the Lookup channel broke: {e}") from None
 
     def _drop_idle(self) -> None:
         while True:
             try:
-                self._idle.pop().close()
+                self._close_one(self._idle.pop())
             except IndexError:
                 return
 

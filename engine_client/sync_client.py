@@ -332,6 +332,8 @@ class KVClient:
         if ch is not None and ch.target == target:
             return ch
         with self._caller_lock:  # first call, or the daemon named another data socket on re-attach
+            if self._stopped:  # a late Lookup thread job after close(): no new channel
+                raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "KVClient is closed")
             if self._caller is None or self._caller.target != target:
                 old, self._caller = self._caller, _CallerChannel(target)
                 if old is not None:

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 
@@ -187,6 +188,35 @@ def test_a_restarted_daemon_is_asked_on_a_fresh_connection(daemon, pool):
         client.store(hashes, list(range(6)))
         assert client.lookup(hashes) == (6, [HOST] * 6)
         assert client.lookup_route == "lookup channel"  # the broken connection was replaced, not given up
+
+
+def test_concurrent_callers_get_their_own_answers(daemon, pool):
+    """Scenario: eight engine threads ask Lookups of different chains at once, blocking and as
+    futures. Each gets its own chain's answer; the client opens at most MAX_CONNECTIONS blocking
+    connections (callers beyond them take gRPC for that call)."""
+    from engine_client.lookup_channel import MAX_CONNECTIONS
+
+    with KVClient(daemon.target, NS, pool, client_name="threads") as client:
+        chains = [client.hasher.hash_blocks(range(1000 * t, 1000 * t + 16 * 8)) for t in range(8)]
+        for t, chain in enumerate(chains):
+            client.store(chain[: t + 1], list(range(t + 1)))
+        wrong: list[tuple[int, object]] = []
+
+        def ask(t: int) -> None:
+            want = (t + 1, [HOST] * (t + 1))
+            for i in range(150):
+                got = client.lookup(chains[t]) if i % 2 else client.submit_lookup(chains[t]).result(10)
+                if got != want:
+                    wrong.append((t, got))
+
+        threads = [threading.Thread(target=ask, args=(t,)) for t in range(8)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert not wrong, wrong[:3]
+        assert client._channel._open <= MAX_CONNECTIONS
+        assert client.lookup_route == "lookup channel"
 
 
 def test_old_daemon_without_a_channel_is_asked_over_grpc():

@@ -41,7 +41,9 @@ from kvwire.v1 import kvcache_pb2
 
 log = logging.getLogger(__name__)
 
-MAX_CONNECTIONS_PER_UID = 64  # an engine keeps one or two; more is a leak or a flood, bounded per uid
+# A KVClient keeps at most 5 (engine_client.lookup_channel); more is a leak or a flood. Past this a
+# uid's new connections are closed without an answer: its clients take gRPC Lookup instead.
+MAX_CONNECTIONS_PER_UID = 256
 WRITE_HIGH_WATER = 1 << 20  # a peer that does not read its answers stops being read
 
 
@@ -145,10 +147,9 @@ class _Connection(asyncio.Protocol):
                          f"uid {cred.uid} may not use this daemon (it serves its own uid, root and allowed_uids)")
             return
         if ch.per_uid[cred.uid] >= MAX_CONNECTIONS_PER_UID:
-            log.warning("lookup channel: uid %d already has %d connections; refusing another", cred.uid,
-                        ch.per_uid[cred.uid])
-            self._refuse(ErrorCode.RESOURCE_EXHAUSTED.value,
-                         f"uid {cred.uid} has {MAX_CONNECTIONS_PER_UID} Lookup channel connections open")
+            log.warning("lookup channel: uid %d already has %d connections; closing another (its client "
+                        "falls back to gRPC Lookup)", cred.uid, ch.per_uid[cred.uid])
+            transport.close()
             return
         self._uid = cred.uid
         ch.per_uid[cred.uid] += 1
