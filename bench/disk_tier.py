@@ -272,6 +272,7 @@ def daemon_case(directory: Path, fmt: str, block: int, total: int, batch_bytes: 
     gen = torch.Generator(device=pool.buffer.device).manual_seed(block)
     pool.buffer[: n * block].copy_(torch.randint(0, 256, (n * block,), dtype=torch.uint8,
                                                  device=pool.buffer.device, generator=gen))
+    pool.buffer[n * block:].fill_(0xA5)  # the Loads' destination: poisoned, and warm as an engine's pool is
     capacity = int(total * 1.1) + 64 * MiB
     d = Daemon(directory / f"d-{fmt}-{block}", host_capacity=host_blocks * block,
                disk_capacity=capacity, disk_path=str(disk_dir), io_backend="auto",

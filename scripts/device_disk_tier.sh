@@ -4,8 +4,10 @@
 # 1. bench/disk_tier.py --pool cuda: the raw O_DIRECT limit (best of threads 4-32 x requests 1-32 MiB, before
 #    and after; the best cells run again and a write into fresh extents, to show how optimistic the best cell
 #    is), DiskStore spill / cold read, and through the daemon (--disk-format segments, the default) Store spill
-#    and cold disk -> GPU Load at 2 MiB and 64 KiB blocks, Loads of LOAD_BYTES each (default 64MiB,256MiB: a
-#    512- and a 2048-token prefix of an 8B model), bytes compared (restart: a CPU-box figure).
+#    into an empty tier and (--steady) into the full tier (each spill rewrites the slot of an evicted block), and
+#    cold disk -> GPU Load at 2 MiB and 64 KiB blocks, Loads of LOAD_BYTES each (default 64MiB: a 512-token
+#    prefix of an 8B model), LOAD_DEPTH Loads in flight (default 1,4: one after another, and four parked
+#    requests' Loads at once), bytes compared (restart: a CPU-box figure). PARTS (default raw,store,daemon).
 # 2. bench/gpu_bandwidth.py's disk section (8B paged layout figures), unless SKIP_GPU_BANDWIDTH is set.
 # Targets: cold disk -> GPU >= 0.85 x raw read, sustained spill >= 0.85 x raw write, 64 KiB >= 0.5 x both.
 # Wheels the device lacks: .whl/*.whl (carried) go to /tmp/site.
@@ -24,7 +26,7 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader; nproc; df -hT "$DISK_DIR"
 timeout ${BENCH_S:-300} python3 bench/disk_tier.py --dir "$DISK_DIR" --pool cuda --total 2GiB --raw-bytes 1GiB \
-  --repeats ${REPEATS:-2} --parts raw,store,daemon --formats segments --load-bytes ${LOAD_BYTES:-64MiB,256MiB} \
-  --out "$OUT/disk_tier.json"
+  --repeats ${REPEATS:-2} --parts ${PARTS:-raw,store,daemon} --formats segments --load-bytes ${LOAD_BYTES:-64MiB} \
+  --load-depth ${LOAD_DEPTH:-1,4} --steady --out "$OUT/disk_tier.json"
 [[ -n ${SKIP_GPU_BANDWIDTH:-} ]] || timeout ${GPU_BW_S:-90} python3 bench/gpu_bandwidth.py --disk-dir "$DISK_DIR" \
   --skip datapath,host --out "$OUT/gpu_bandwidth_segments.json"
