@@ -151,6 +151,58 @@ def test_a_quarantined_slot_is_reserved_pending_and_never_handed_out_free():
     assert alloc.allocate(4096, 1) == [locs[1]]
 
 
+def test_slot_states_stay_consistent_under_random_reuse():
+    """Scenario: a random mix of allocations (plain and reusing quarantined slots), cancels,
+    retirements and delete commits on a small full-ish tier, checked against a model after every
+    step: a slot is free, held (written or reserved), quarantined or pending - never two at once;
+    only free slots are handed out by allocate, pending ones only from the quarantine; every
+    segment's used count and the running totals match."""
+    import random
+
+    rng = random.Random(13)
+    alloc = SlotAllocator(lambda slots, nbytes: nbytes <= 24 * 4096, segment_target=4 * 4096)
+    held: set[int] = set()  # reserved or committed, no delete queued
+    quarantined: set[int] = set()
+    pending: set[int] = set()
+    for _ in range(2000):
+        op = rng.random()
+        if op < 0.3:
+            k = rng.randint(1, 4)
+            got = alloc.allocate_retired(4096, k) if rng.random() < 0.5 else alloc.allocate(4096, k)
+            if got is not None:
+                assert len(set(got)) == k and not set(got) & held and not set(got) & pending
+                for loc in got:
+                    if loc in quarantined:
+                        pending.add(loc)
+                    held.add(loc)
+        elif op < 0.5 and held - pending:
+            loc = rng.choice(sorted(held - pending))
+            held.discard(loc)
+            quarantined.add(loc)
+            alloc.retire([loc])
+        elif op < 0.7 and quarantined:
+            done = rng.sample(sorted(quarantined), rng.randint(1, len(quarantined)))
+            alloc.settle(done)
+            for loc in done:
+                quarantined.discard(loc)
+                pending.discard(loc)  # a pending reservation is a plain one now
+        elif held:
+            loc = rng.choice(sorted(held))
+            alloc.release([loc])  # a write that never committed
+            held.discard(loc)
+            if loc in pending:
+                pending.discard(loc)  # back to the quarantine
+        for loc in held - pending:
+            assert not alloc.pending(loc)
+        assert all(alloc.pending(loc) for loc in pending)
+        assert alloc.quarantined() == len(quarantined - pending)
+        for sid, seg in alloc.segments.items():
+            mine = {loc for loc in held | quarantined if split_loc(loc)[0] == sid}
+            assert seg.used == len(mine), (sid, seg.used, len(mine))
+        assert alloc.segment_bytes == sum(s.nbytes for s in alloc.segments.values())
+        assert alloc.total_slots == sum(s.slots for s in alloc.segments.values())
+
+
 def test_a_full_tier_reuses_a_freed_slot_committing_its_delete_before_the_write(tmp_path, monkeypatch):
     """Scenario: a full tier frees a block and reserves its slot at once (no metadata commit on the
     reserving thread); the write commits the old row's delete before any byte lands, so a restart

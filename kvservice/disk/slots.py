@@ -243,10 +243,10 @@ class SlotAllocator:
         locs = [loc for loc in locs if loc in self._quarantine]
         self._quarantine.difference_update(locs)
         if self._pending:
-            held = [loc for loc in locs if loc in self._pending]
-            self._pending.difference_update(held)
+            held = {loc for loc in locs if loc in self._pending}
             if held:
-                locs = [loc for loc in locs if loc not in set(held)]
+                self._pending.difference_update(held)
+                locs = [loc for loc in locs if loc not in held]
         self.release(locs)
 
     # --- segment files
