@@ -169,6 +169,8 @@ def test_slot_states_stay_consistent_under_random_reuse():
         if op < 0.3:
             k = rng.randint(1, 4)
             got = alloc.allocate_retired(4096, k) if rng.random() < 0.5 else alloc.allocate(4096, k)
+            for seg in alloc.planned():  # their files are made by the first write
+                alloc.created(seg.id)
             if got is not None:
                 assert len(set(got)) == k and not set(got) & held and not set(got) & pending
                 for loc in got:
@@ -199,6 +201,7 @@ def test_slot_states_stay_consistent_under_random_reuse():
         for sid, seg in alloc.segments.items():
             mine = {loc for loc in held | quarantined if split_loc(loc)[0] == sid}
             assert seg.used == len(mine), (sid, seg.used, len(mine))
+        assert {s.id for s in alloc.reclaimable()} == {s.id for s in alloc.segments.values() if s.on_disk and s.used == 0}
         assert alloc.segment_bytes == sum(s.nbytes for s in alloc.segments.values())
         assert alloc.total_slots == sum(s.slots for s in alloc.segments.values())
 

@@ -79,6 +79,7 @@ class SlotAllocator:
         self.segments: dict[int, Segment] = {}  # change only through _add / _remove (running totals)
         self._nbytes = 0
         self._nslots = 0
+        self._empty: set[int] = set()  # ids of segments with no used (or quarantined) slot
         self._classes: dict[int, _Class] = {}
         self._quarantine: set[int] = set()
         self._pending: set[int] = set()  # quarantined slots reserved already (allocate_retired)
@@ -98,9 +99,12 @@ class SlotAllocator:
         self.segments[seg.id] = seg
         self._nbytes += seg.nbytes
         self._nslots += seg.slots
+        if seg.used == 0:
+            self._empty.add(seg.id)
 
     def _remove(self, seg_id: int) -> Segment | None:
         seg = self.segments.pop(seg_id, None)
+        self._empty.discard(seg_id)
         if seg is not None:
             self._nbytes -= seg.nbytes
             self._nslots -= seg.slots
@@ -148,9 +152,14 @@ class SlotAllocator:
         if short > 0 and not self._plan(slot_bytes, short):
             return None
         locs = [heapq.heappop(c.free) for _ in range(n)]
-        for loc in locs:
-            self.segments[split_loc(loc)[0]].used += 1
+        self._take(locs)
         return locs
+
+    def _take(self, locs: list[int]) -> None:
+        for loc in locs:
+            sid = loc >> _SLOT_BITS
+            self.segments[sid].used += 1
+            self._empty.discard(sid)
 
     def allocate_retired(self, slot_bytes: int, n: int) -> list[int] | None:
         """Free slots of the class, then quarantined ones (lowest first, marked pending), then
@@ -170,8 +179,7 @@ class SlotAllocator:
         elif not heap:  # a non-empty heap's top is live (cleaned above)
             return self.allocate(slot_bytes, n)
         locs = [heapq.heappop(c.free) for _ in range(min(n, len(c.free)))]
-        for loc in locs:
-            self.segments[split_loc(loc)[0]].used += 1
+        self._take(locs)
         while len(locs) < n:
             loc = heapq.heappop(heap)
             if loc in self._quarantine and loc not in self._pending:
@@ -210,8 +218,9 @@ class SlotAllocator:
     def _reclaim_one(self, exclude: int) -> bool:
         """Forget one empty, still-planned segment of another class (its budget is reusable at
         once). Empty segments already on disk are removed by the store (reclaimable())."""
-        for seg in self.segments.values():
-            if seg.slot_bytes != exclude and seg.used == 0 and not seg.on_disk:
+        for sid in self._empty:
+            seg = self.segments[sid]
+            if seg.slot_bytes != exclude and not seg.on_disk:
                 self.drop(seg.id)
                 return True
         return False
@@ -228,6 +237,8 @@ class SlotAllocator:
                 heapq.heappush(self._retired.setdefault(seg.slot_bytes, []), loc)
                 continue
             seg.used -= 1
+            if not seg.used:
+                self._empty.add(seg.id)
             heapq.heappush(self._classes[seg.slot_bytes].free, loc)
 
     def retire(self, locs: Iterable[int]) -> None:
@@ -275,8 +286,8 @@ class SlotAllocator:
 
     def reclaimable(self, keep_class: int | None = None) -> list[Segment]:
         """Empty segment files on disk (no used or quarantined slot), other than of keep_class."""
-        empty = [s for s in self.segments.values() if s.on_disk and s.used == 0 and s.slot_bytes != keep_class]
-        if not empty:  # the usual case, and cheap: quarantined slots count as used
+        empty = [s for s in map(self.segments.__getitem__, self._empty) if s.on_disk and s.slot_bytes != keep_class]
+        if not empty:  # the usual case: quarantined slots count as used, so a full tier has no empty segment
             return []
         busy = {split_loc(loc)[0] for loc in self._quarantine}
         return [s for s in empty if s.id not in busy]
