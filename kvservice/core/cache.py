@@ -374,13 +374,75 @@ class BlockCache:
         """Store what fits of one chunk; False when some of it did not fit. Plan (evict, no await),
         wait for the spills that make the room, take slots (placed on the reserved entries), copy
         the engine's blocks straight into them, commit. Cancelled or failed before the commit, the
-        reservations are rolled back; their slots go once the copy thread is done with them."""
+        reservations are rolled back; their slots go once the copy thread is done with them.
+        A chunk of more than 2 x PIPELINE_BLOCKS is planned and copied in parts of PIPELINE_BLOCKS,
+        the plan of a part beside the copy of the one before (at most PIPELINE_DEPTH copies in
+        flight): the bookkeeping of a large Store runs while the copy thread waits on the device.
+        Its blocks are still committed together at the end, as one chain."""
         t = self._t
         life = t.life
-        size = s.block_bytes
         n = len(entries)
-        # head first: when only part of the chain fits, keep its prefix
-        fit, offsets = 0, None
+        part = PIPELINE_BLOCKS if n > 2 * PIPELINE_BLOCKS else n
+        jobs: list[tuple[asyncio.Future, list[Entry]]] = []  # copies started: their futures and blocks
+        sums: list[int] = []
+        waited = 0  # jobs whose copy was awaited (their checksums are in sums)
+        placed_n = 0  # entries[:placed_n] have slots and a copy started
+        loop = asyncio.get_running_loop()
+        try:
+            for lo in range(0, n, part):
+                want = min(part, n - lo)
+                fit, offsets = await self._host_room(s.block_bytes, want, now)
+                if fit < want:  # head first: when only part of the chain fits, keep its prefix
+                    self._refuse_rest(s, pos[lo + fit:], entries[lo + fit:], lo + fit, n, now, results)
+                if fit:
+                    placed = entries[lo:lo + fit]
+                    life.place(placed, offsets)
+                    jobs.append((loop.run_in_executor(self._copy_pool, s.memory.gather_into, bids[lo:lo + fit],
+                                                      t.host.arena, offsets), placed))
+                    placed_n = lo + fit
+                if fit < want:
+                    break
+                while len(jobs) - waited >= PIPELINE_DEPTH or (waited < len(jobs) and lo + part >= n):
+                    sums += await asyncio.shield(jobs[waited][0])
+                    waited += 1
+        except BaseException:
+            for fut, placed in jobs[waited:] if waited < len(jobs) else ():
+                self._abandon_copy(fut, placed)
+            if waited:  # copied, not committed: rolled back, their slots free now
+                done = [e for _, placed in jobs[:waited] for e in placed]
+                life.rollback(done, copy_running=True)
+                life.release_aborted(done)
+            raise
+        if not placed_n:
+            return n == 0
+        while waited < len(jobs):  # the loop broke early (a part did not fit): the copies started still land
+            try:
+                sums += await asyncio.shield(jobs[waited][0])
+            except BaseException:
+                for fut, placed in jobs:
+                    self._abandon_copy(fut, placed)
+                raise
+            waited += 1
+        placed = entries[:placed_n]
+        life.commit(placed, sums)
+        self.stats.bump(s.namespace, "stores", placed_n)
+        status = results.status
+        if not ttl:
+            if pos[placed_n - 1] - pos[0] == placed_n - 1:  # positions ascending: a contiguous run, one slice
+                status[pos[0]:pos[0] + placed_n] = [StoreStatus.STORED] * placed_n
+            else:
+                for i in pos[:placed_n]:
+                    status[i] = StoreStatus.STORED
+            return placed_n == n
+        for i, e in zip(pos, placed):
+            self._retain_one(e, ttl, now, StoreStatus.STORED, results, i)  # new: nothing on disk to persist
+        return placed_n == n
+
+    async def _host_room(self, size: int, n: int, now: float) -> tuple[int, list[int] | None]:
+        """Make room for n blocks of size (evictions, the spills they need) and take the slots:
+        (fit, offsets) for the first `fit` of them; (0, None) when none fit."""
+        t = self._t
+        fit = 0
         for attempt in range(4):  # a concurrent Store may take the slots our spills freed: plan again
             fit, spills = t.make_host_room(size, n if attempt == 0 else fit, now)
             wait = t.room_after(spills, now, size, fit) if spills else None
@@ -389,44 +451,40 @@ class BlockCache:
                 await asyncio.shield(wait)
             if not fit or t.host.placeable(size) >= fit:
                 break
-        if fit:
-            fit = min(fit, t.host.placeable(size))
-            offsets = t.host.alloc(size, fit) if fit else None
-            if offsets is None:
-                fit = 0
-        if fit < n:
-            pinned, protected = t.host_blockers(now)
-            if protected:  # DESIGN §5 protect-unexpired: refused admission, counted
-                why = "the rest of it holds unexpired retained blocks that cannot spill: " + t.protection_reason()
-                self.stats.bump(s.namespace, "admission_refusals", n - fit)
-            elif pinned:
-                why = "the rest of it is pinned by loads or prefetches in flight"
-            else:
-                why = "a concurrent call took the rest"
-            message = f"host tier has room for {fit} of {n} blocks: {why}"
-            life.rollback(entries[fit:])
-            for i in pos[fit:]:
-                results.set(i, StoreStatus.NOT_STORED, message=message)
-        if not fit or offsets is None:
-            return fit == n
-        placed = entries[:fit]
-        life.place(placed, offsets)
-        sums = await self._copy(s.memory.gather_into, bids[:fit], t.host.arena, offsets,
-                                on_fail=lambda: life.rollback(placed, copy_running=True),
-                                on_abandon=lambda: life.release_aborted(placed))
-        life.commit(placed, sums)
-        self.stats.bump(s.namespace, "stores", fit)
-        status = results.status
-        if not ttl:
-            if pos[fit - 1] - pos[0] == fit - 1:  # positions ascending: a contiguous run, one slice
-                status[pos[0]:pos[0] + fit] = [StoreStatus.STORED] * fit
-            else:
-                for i in pos[:fit]:
-                    status[i] = StoreStatus.STORED
-            return fit == n
-        for i, e in zip(pos, placed):
-            self._retain_one(e, ttl, now, StoreStatus.STORED, results, i)  # new: nothing on disk to persist
-        return fit == n
+        if not fit:
+            return 0, None
+        fit = min(fit, t.host.placeable(size))
+        offsets = t.host.alloc(size, fit) if fit else None
+        return (fit, offsets) if offsets is not None else (0, None)
+
+    def _refuse_rest(self, s: Session, pos: list[int], entries: list[Entry], fit: int, n: int, now: float,
+                     results: StoreResults) -> None:
+        """The blocks of a chunk past the first `fit` of its n did not fit: rolled back, NOT_STORED, why."""
+        t = self._t
+        pinned, protected = t.host_blockers(now)
+        if protected:  # DESIGN §5 protect-unexpired: refused admission, counted
+            why = "the rest of it holds unexpired retained blocks that cannot spill: " + t.protection_reason()
+            self.stats.bump(s.namespace, "admission_refusals", len(entries))
+        elif pinned:
+            why = "the rest of it is pinned by loads or prefetches in flight"
+        else:
+            why = "a concurrent call took the rest"
+        message = f"host tier has room for {fit} of {n} blocks: {why}"
+        t.life.rollback(entries)
+        for i in pos:
+            results.set(i, StoreStatus.NOT_STORED, message=message)
+
+    def _abandon_copy(self, fut: asyncio.Future, placed: list[Entry]) -> None:
+        """A copy into reserved slots whose Store failed or was cancelled: the reservations are
+        rolled back now, their slots go when the copy thread is done with them (_copy's rule)."""
+        life = self._t.life
+        life.rollback(placed, copy_running=True)
+        if fut.done():
+            if not fut.cancelled():
+                fut.exception()  # retrieved: its failure is the Store's, already raised or superseded
+            life.release_aborted(placed)
+        else:
+            fut.add_done_callback(lambda f: (f.cancelled() or f.exception(), life.release_aborted(placed)))
 
     async def _copy(self, fn, *args, on_fail=None, on_abandon=None):
         """Run one copy job on the copy pool. If the caller is cancelled (or the job fails), on_fail
@@ -538,7 +596,24 @@ class BlockCache:
             return bids, slots, [], [], range(len(found)), [host] * len(found), 0
         on_disk = [k for k, off in enumerate(slots) if off < 0]
         disk_entries = [found[k] for k in on_disk]
-        reads = await t.read_batch(disk_entries, s.memory.alloc_host, s.block_bytes)
+        early: list[asyncio.Future] = []  # copies of disk blocks that landed while the rest was read
+        copied: set[int] = set()  # their indexes into found
+
+        def landed(first: int, part: list) -> None:  # read_batch's on_part, on the loop
+            ks = [on_disk[first + j] for j, (_, onboarded) in enumerate(part) if onboarded]
+            if not ks:
+                return
+            es = [found[k] for k in ks]
+            t.life.pin(es)  # the copy reads their slots: held until it has ended, whatever the Load does
+            job = asyncio.get_running_loop().run_in_executor(
+                self._copy_pool, _scatter, s.memory, t.host.arena, [bids[k] for k in ks], [e.slot for e in es], [], [])
+            job.add_done_callback(lambda _: t.life.unpin(es))
+            early.append(job)
+            copied.update(ks)
+
+        reads = await t.read_batch(disk_entries, s.memory.alloc_host, s.block_bytes, on_part=landed)
+        if early:
+            await asyncio.gather(*map(asyncio.shield, early))
         read_of = dict(zip(on_disk, reads))
         host_ids: list[int] = []
         host_slots: list[int] = []
@@ -564,6 +639,8 @@ class BlockCache:
                 continue
             served.append(k)
             disk_loads += 1
+            if k in copied:  # copied to the engine as its part landed
+                continue
             if onboarded:  # read straight into its host slot: copied with the host hits, one job
                 host_ids.append(bids[k])
                 host_slots.append(e.slot)
@@ -814,6 +891,10 @@ class BlockCache:
 
 
 _HASH_DTYPE = np.dtype(f"V{HASH_BYTES}")
+# A Store chunk of more than 2 x PIPELINE_BLOCKS blocks is planned and copied in parts of that many,
+# the next part's plan beside the previous part's copy, at most PIPELINE_DEPTH copies in flight
+PIPELINE_BLOCKS = 2048
+PIPELINE_DEPTH = 2
 _ready = operator.attrgetter("ready")
 _slot_of = operator.attrgetter("slot")
 GC_YOUNG_THRESHOLD = 50_000  # allocations between young collections (CPython's default: 700)

@@ -30,6 +30,7 @@ from kvservice.disk import block_file
 from kvservice.ops.config import Config
 from kvservice.disk import FaultKind, aligned_buffer
 from kvservice.disk.batch_io import HostSlots
+from kvservice.disk.store import READ_FANOUT
 from kvservice.disk.tier_io import BlockWrite, DiskFault, TierIO, remove_v1_blocks
 from kvservice.disk.disk_tier import DiskTier
 from kvservice.placement.eviction import DiskRoom, Victim, admission_gate, plan_disk_eviction
@@ -48,6 +49,8 @@ _namespace_of = operator.attrgetter("namespace")
 _deadline_of = operator.attrgetter("deadline")
 
 SPILL_BATCH_BYTES = 32 << 20  # spills one writer hands the disk tier at once (one DiskStore.write)
+READ_PARTS = 4  # a large Load's disk read: parts settled one by one (read_batch's on_part)
+READ_PART_BYTES = 8 << 20  # at least this much per part
 
 
 def _count_namespaces(entries: list[Entry]) -> Counter:
@@ -332,13 +335,18 @@ class Tiers:
 
     def host_blockers(self, now: float) -> tuple[int, int]:
         """(pinned, protected) bytes of host blocks make_host_room may not evict now: pinned by
-        copies, reads or leases, or unexpired retained ones the disk cannot admit (protect-unexpired)."""
+        copies, reads or leases, or unexpired retained ones the disk cannot admit (protect-unexpired).
+        For a refused Store's message: without protection the walk stops at the first pinned block
+        (pinned is then that block's bytes, not the sum), so a tier pinned by leases is not walked
+        whole on every refused Store."""
         protect = self.disk is not None and (self.config.protect_unexpired or self._disk_unwritable())
         room = self._disk_room(now) if protect else None
         pinned = protected = 0
         for e in self.host.entries_oldest_first():
             if e.pinned(now):
                 pinned += e.size
+                if room is None:
+                    break
             elif room is not None and e.disk == DiskState.NONE and e.retained(now) and not room.take(e.size):
                 protected += e.size
         return pinned, protected
@@ -665,8 +673,8 @@ class Tiers:
             self._drop_disk_copy(e)
         return BlockIOError(fault.message)
 
-    async def read_batch(self, entries: list[Entry], scratch,
-                         block_bytes: int = 0) -> list[tuple[torch.Tensor | BaseException, bool]]:
+    async def read_batch(self, entries: list[Entry], scratch, block_bytes: int = 0,
+                         on_part=None) -> list[tuple[torch.Tensor | BaseException, bool]]:
         """Read disk blocks (the caller pins them) as one coalesced DiskStore read. A block lands
         in a host slot where the host tier has room - free slots, or the slots of LRU blocks that
         have a disk copy, evicted for it (nothing to write) - and that slot becomes its host copy:
@@ -676,7 +684,11 @@ class Tiers:
         callback: a caller cancelled meanwhile leaves no slot taken and no pin held. With
         block_bytes (the caller's pool block size), a block of another size - a row recovered from
         a damaged or crafted disk - fails as wrong_size and is discarded, never handed over.
-        Files format: read_from_disk per block, in parallel."""
+        on_part(first, results): a Load of at least 2 x READ_PART_BYTES that lands wholly in host
+        slots is read as up to READ_PARTS parts issued at once (the same bytes in flight, larger
+        requests split fewer ways), each settled as it lands and announced through on_part (on the
+        loop, before its pins go: pin what you copy from), so the caller copies one part to the
+        engine while the rest is still read. Files format: read_from_disk per block, in parallel."""
         if block_bytes:
             wrong = {i for i, e in enumerate(entries) if e.size != block_bytes}
             if wrong:
@@ -705,8 +717,13 @@ class Tiers:
                 offsets[i] = off
         rest = [i for i in range(n) if offsets[i] is None]
         outs: list | HostSlots
+        parts = [(0, n)]
         if not rest:  # every block lands in a host slot: one planned, coalesced read into the arena
             outs = self._host_slots(entries, offsets)  # type: ignore[arg-type]
+            total = int(outs.lengths.sum())
+            if on_part is not None and total >= 2 * READ_PART_BYTES:  # parts read at once, each settled as it lands
+                k = min(READ_PARTS, total // READ_PART_BYTES)
+                parts = [(n * j // k, n * (j + 1) // k) for j in range(k)]
         else:
             outs = [self.host.arena.row(off, e.size) if off is not None else None for e, off in zip(entries, offsets)]
             for i, b in zip(rest, scratch(len(rest))):
@@ -720,51 +737,69 @@ class Tiers:
                     at += entries[i].size
         self.life.pin(entries)  # until the read is done, also if the caller is cancelled
         self.reads_in_flight += n
-        job = self.segments.read_many([e.disk_loc for e in entries], outs)
-        settled: asyncio.Future = asyncio.get_running_loop().create_future()
-
-        def settle(j: asyncio.Future) -> None:
-            self.reads_in_flight -= n
-            err = j.exception() if not j.cancelled() else asyncio.CancelledError()
-            faults = j.result() if err is None else [DiskFault(FaultKind.IO_ERROR, f"disk read failed: {err!r}")] * n
-            out: list[tuple[torch.Tensor | BaseException, bool]] = []
-            adds: list[Entry] = []  # onboarded: their slots become their host copies, added at once
-            add_offs: list[int] = []
-            adding: set[int] = set()
-            onboards: dict[str, int] = {}
-            for k, (e, off, fault) in enumerate(zip(entries, offsets, faults)):
-                if id(e) in adding:  # the same block twice in one batch: its first copy goes in first
-                    self.life.add(adds, add_offs)
-                    adds, add_offs, adding = [], [], set()
-                if fault is not None:
-                    if off is not None:
-                        self.host.free([off], e.size)
-                    out.append((self._read_failed(e, fault), False))
-                elif off is None:
-                    out.append((outs[k], False))  # type: ignore[index]
-                elif self.index.get_any(e.key) is e and not e.in_memory:
-                    adds.append(e)
-                    add_offs.append(off)
-                    adding.add(id(e))
-                    onboards[e.namespace] = onboards.get(e.namespace, 0) + 1
-                    out.append((self.host.arena.row(off, e.size), True))
-                elif e.in_memory:  # another call put it back in memory meanwhile: serve that copy
-                    self.host.free([off], e.size)
-                    out.append((self.host.row(e), True))
-                else:  # forgotten meanwhile: these verified bytes are still served, from a copy
-                    own_copy = self.host.arena.row(off, e.size).clone()
-                    self.host.free([off], e.size)
-                    out.append((own_copy, False))
-            if adds:
-                self.life.add(adds, add_offs)
-            for ns, c in onboards.items():
-                self.stats.bump(ns, "disk_onboards", c)
-            self.life.unpin(entries)
-            if not settled.done():
-                settled.set_result(out)
-
-        job.add_done_callback(settle)
+        loop = asyncio.get_running_loop()
+        results: list = [None] * n
+        left = [len(parts)]
+        settled: asyncio.Future = loop.create_future()
+        for a, b in parts:
+            if len(parts) == 1:
+                job = self.segments.read_many([e.disk_loc for e in entries], outs)
+            else:
+                job = self.segments.read_many([e.disk_loc for e in entries[a:b]], outs.subset(np.arange(a, b)),
+                                              fanout=max(1, READ_FANOUT // len(parts)))
+            job.add_done_callback(functools.partial(self._settle_read, entries, offsets, outs, a, b, results, left,
+                                                    settled, on_part if len(parts) > 1 else None))
         return await asyncio.shield(settled)
+
+    def _settle_read(self, entries: list[Entry], offsets: list, outs, a: int, b: int, results: list, left: list[int],
+                     settled: asyncio.Future, on_part, j: asyncio.Future) -> None:
+        """read_batch: blocks a..b of a read have landed (or failed): onboard, count, unpin; on_part
+        hears of them at once; the batch's future resolves when its last part has settled."""
+        n = b - a
+        self.reads_in_flight -= n
+        err = j.exception() if not j.cancelled() else asyncio.CancelledError()
+        faults = j.result() if err is None else [DiskFault(FaultKind.IO_ERROR, f"disk read failed: {err!r}")] * n
+        adds: list[Entry] = []  # onboarded: their slots become their host copies, added at once
+        add_offs: list[int] = []
+        adding: set[int] = set()
+        onboards: dict[str, int] = {}
+        part = entries[a:b]
+        for k, (e, off, fault) in enumerate(zip(part, offsets[a:b], faults), start=a):
+            if id(e) in adding:  # the same block twice in one batch: its first copy goes in first
+                self.life.add(adds, add_offs)
+                adds, add_offs, adding = [], [], set()
+            if fault is not None:
+                if off is not None:
+                    self.host.free([off], e.size)
+                results[k] = (self._read_failed(e, fault), False)
+            elif off is None:
+                results[k] = (outs[k], False)
+            elif self.index.get_any(e.key) is e and not e.in_memory:
+                adds.append(e)
+                add_offs.append(off)
+                adding.add(id(e))
+                onboards[e.namespace] = onboards.get(e.namespace, 0) + 1
+                results[k] = (self.host.arena.row(off, e.size), True)
+            elif e.in_memory:  # another call put it back in memory meanwhile: serve that copy
+                self.host.free([off], e.size)
+                results[k] = (self.host.row(e), True)
+            else:  # forgotten meanwhile: these verified bytes are still served, from a copy
+                own_copy = self.host.arena.row(off, e.size).clone()
+                self.host.free([off], e.size)
+                results[k] = (own_copy, False)
+        if adds:
+            self.life.add(adds, add_offs)
+        for ns, c in onboards.items():
+            self.stats.bump(ns, "disk_onboards", c)
+        if on_part is not None and not settled.done():
+            try:
+                on_part(a, results[a:b])
+            except Exception:  # the caller's hook must not leave this part's pins held
+                log.exception("read_batch part hook failed")
+        self.life.unpin(part)
+        left[0] -= 1
+        if not left[0] and not settled.done():
+            settled.set_result(results)
 
     def _clean_room(self, size: int, want: int, now: float) -> None:
         """Evict the oldest host blocks that have a disk copy (their slots go back at once, nothing

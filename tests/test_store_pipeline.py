@@ -1,0 +1,124 @@
+"""A large Store is planned and copied in parts (BlockCache._store_chunk, PIPELINE_BLOCKS): the
+next part's eviction plan runs beside the previous part's copy. Driven here with parts of one or
+two blocks, so the small batches of the tests take that path:
+  - the lifecycle property machine (cancellation and dead clients at every await point, audit at
+    every step, every LOADED block byte-exact) runs again on it;
+  - a Store of 10 blocks in parts of 2 stores every block byte-exact and commits them as one chain
+    (its head is the newest in the LRU, as a Store in one part);
+  - cancelled while its second part is copying, it leaves nothing reserved, pinned or half-made,
+    and the same hashes store again;
+  - a part that does not fit (pinned tier) answers NOT_STORED for the rest of the chunk and keeps
+    the prefix stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+import kvservice.core.cache as cache_mod
+from kvservice.core.types import LoadStatus, StoreStatus
+from tests.corekit import BLOCK, Engine, Pool, h, small_config, started_cache
+from tests.test_lifecycle_properties import LifecycleMachine
+from tests.test_store_cancellation import cancelled, gated_gather, restore_works, until  # noqa: F401 (fixture)
+
+
+@pytest.fixture
+def parts_of(monkeypatch):
+    """Set the part size; returns the sizes of the parts planned so far (one list for the test)."""
+    planned: list[int] = []
+    real = cache_mod.BlockCache._host_room
+
+    async def counted(self, size, n, now):
+        planned.append(n)
+        return await real(self, size, n, now)
+
+    monkeypatch.setattr(cache_mod.BlockCache, "_host_room", counted)
+
+    def set_parts(blocks: int, depth: int = 2) -> list[int]:
+        monkeypatch.setattr(cache_mod, "PIPELINE_BLOCKS", blocks)
+        monkeypatch.setattr(cache_mod, "PIPELINE_DEPTH", depth)
+        return planned
+    return set_parts
+
+
+def test_lifecycle_properties_hold_for_stores_in_parts(parts_of):
+    planned = parts_of(1)  # stores of 3 and 4 blocks go in parts of one
+    run_state_machine_as_test(LifecycleMachine, settings=settings(
+        max_examples=30, stateful_step_count=15, deadline=None, suppress_health_check=[HealthCheck.too_slow]))
+    assert planned.count(1) > 100, "the property machine's Stores did not go in parts"
+
+
+async def test_a_store_in_parts_is_byte_exact_and_one_chain(tmp_path, parts_of):
+    planned = parts_of(2)
+    cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=16 * BLOCK)
+    async with started_cache(cfg) as cache:
+        pool = Pool(num_blocks=32)
+        eng = Engine(cache, pool)
+        try:
+            rs = await eng.store(list(range(10)))
+            assert [r.status for r in rs] == [StoreStatus.STORED] * 10
+            assert planned == [2] * 5
+            rs = await eng.store(list(range(100, 110)))  # evicts 4 of the first Store's blocks, tail first
+            assert [r.status for r in rs] == [StoreStatus.STORED] * 10
+            order = [e.key.hash for e in cache.tiers.host.entries_oldest_first()]
+            assert order[-10:] == [h(i) for i in reversed(range(100, 110))]  # head newest, as one chain
+            assert order[:6] == [h(i) for i in reversed(range(6))]  # the first chain's tail went first
+            rs = await eng.load(list(range(100, 110)))  # checks the bytes of every LOADED block
+            assert [r.status for r in rs] == [LoadStatus.LOADED] * 10
+            assert cache.audit() == []
+        finally:
+            await cache.close_session(eng.sid)
+            pool.close()
+
+
+async def test_a_store_cancelled_in_its_second_part_rolls_back_every_part(tmp_path, parts_of, gated_gather):  # noqa: F811
+    parts_of(2, depth=2)
+    cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=16 * BLOCK)
+    async with started_cache(cfg) as cache:
+        pool = Pool(num_blocks=32)
+        eng = Engine(cache, pool)
+        try:
+            gated_gather.open.clear()
+            task = asyncio.ensure_future(eng.store(list(range(8))))
+            await until(lambda: gated_gather.inside >= 2, "two parts' copies in flight")
+            assert cache.audit(idle=False) == []
+            await cancelled(task)
+            assert not [e for e in cache.tiers.index.values() if not e.ready], "half-made entries after the cancel"
+            gated_gather.open.set()
+            await until(lambda: gated_gather.inside == 0, "the copies to end")
+            await asyncio.sleep(0.05)
+            assert cache.audit() == []
+            assert cache.tiers.host.used_bytes == 0
+            await restore_works(eng, list(range(8)))
+        finally:
+            gated_gather.open.set()
+            await cache.close_session(eng.sid)
+            pool.close()
+
+
+async def test_a_part_that_does_not_fit_keeps_the_prefix(tmp_path, parts_of):
+    parts_of(2)
+    cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=8 * BLOCK)
+    async with started_cache(cfg) as cache:
+        pool = Pool(num_blocks=32)
+        eng = Engine(cache, pool)
+        try:
+            assert {r.status for r in await eng.store(list(range(100, 108)))} == {StoreStatus.STORED}
+            old = list(cache.tiers.host.entries_oldest_first())
+            cache.tiers.life.pin(old[3:])  # 5 of the 8 resident blocks pinned: 3 evictable
+            try:
+                rs = await eng.store(list(range(8)))
+            finally:
+                cache.tiers.life.unpin(old[3:])
+            assert [r.status for r in rs] == [StoreStatus.STORED] * 3 + [StoreStatus.NOT_STORED] * 5
+            assert "room for 3 of 8" in rs[3].message
+            rs = await eng.load(list(range(3)))
+            assert [r.status for r in rs] == [LoadStatus.LOADED] * 3
+            assert cache.audit() == []
+        finally:
+            await cache.close_session(eng.sid)
+            pool.close()
