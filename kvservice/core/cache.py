@@ -892,8 +892,9 @@ class BlockCache:
 
 _HASH_DTYPE = np.dtype(f"V{HASH_BYTES}")
 # A Store chunk of more than 2 x PIPELINE_BLOCKS blocks is planned and copied in parts of that many,
-# the next part's plan beside the previous part's copy, at most PIPELINE_DEPTH copies in flight
-PIPELINE_BLOCKS = 2048
+# the next part's plan beside the previous part's copy, at most PIPELINE_DEPTH copies in flight.
+# KVSERVICE_STORE_PART_BLOCKS overrides the part size (a benchmark's A/B; a huge value: one part)
+PIPELINE_BLOCKS = max(1, int(os.environ.get("KVSERVICE_STORE_PART_BLOCKS", "2048")))
 PIPELINE_DEPTH = 2
 _ready = operator.attrgetter("ready")
 _slot_of = operator.attrgetter("slot")
