@@ -6,6 +6,7 @@ updates these books):
   alloc(block_bytes, n) -> offsets     take free slots (a Store's reservation, a disk read); None: no room
   free(offsets, block_bytes)           give back slots taken that no block came to hold
   lru_touch(chain) / lru_discard(e)    LRU order of the resident blocks (head of a chain newest)
+  lru_add_new(chain)                   the same for blocks not in the LRU yet (a Store's commit, one update)
   touch(chain)                         refresh the LRU order of those resident (a hit)
   entries_oldest_first()               LRU order, for the eviction plan (tiers.Tiers)
   freed(entries) -> future | None      resolves when their bytes are off the tier's capacity (slot

@@ -1,4 +1,5 @@
 """Block index: (namespace, hash) -> Entry, the one record of where a block's bytes are.
+An Entry keeps namespace and hash as two fields (no key tuple built per block; `key` builds one).
 
 An entry exists while the block is in the host tier, waiting in the write queue, or on disk.
 Tiers keep their own ordering structures (LRU, deadline heap) over the same entries.
