@@ -454,6 +454,8 @@ def main() -> int:
         raws = []
         if "raw" in parts:
             raws.append(raw_sweep(work, parse_size(a.raw_bytes)))
+            b0 = raws[0]["best"]
+            print(f"(raw sweep before: best write {b0['write']['gbps']:.2f}, read {b0['read']['gbps']:.2f} GB/s)", flush=True)
         if "store" in parts:
             result["store"] = []
             for b in a.block_sizes.split(","):
@@ -468,10 +470,16 @@ def main() -> int:
                 result["store"].append(best)
         if "daemon" in parts:
             depths = tuple(int(x) for x in a.load_depth.split(","))
-            result["daemon"] = [daemon_case(work, fmt, parse_size(b), parse_size(a.total), parse_size(a.batch_bytes),
-                                            a.pool, a.readers, parse_size(lb) if lb else 0, depths, a.steady)
-                                for b in a.block_sizes.split(",") for fmt in a.formats.split(",")
-                                for lb in (a.load_bytes.split(",") if a.load_bytes else [""])]
+            result["daemon"] = []
+            for b in a.block_sizes.split(","):
+                for fmt_ in a.formats.split(","):
+                    for lb in (a.load_bytes.split(",") if a.load_bytes else [""]):
+                        r = daemon_case(work, fmt_, parse_size(b), parse_size(a.total), parse_size(a.batch_bytes),
+                                        a.pool, a.readers, parse_size(lb) if lb else 0, depths, a.steady)
+                        result["daemon"].append(r)
+                        print(f"(daemon {fmt_} {b}: spill {r['spill_gbps']:.2f}, steady {r['steady_spill_gbps']:.2f}, "
+                              f"load by depth {', '.join(f'{k}: {v:.2f}' for k, v in r['loads_by_depth'].items())} GB/s, "
+                              f"exact {r['exact']})", flush=True)
         if "raw" in parts:
             raws.append(raw_sweep(work, parse_size(a.raw_bytes)))
             result["raw"] = raws

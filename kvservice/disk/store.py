@@ -525,8 +525,10 @@ class DiskStore:
             self._alloc.settle(deletes)
 
     # --- reads
-    def read(self, locs: Sequence[int], outs: Sequence[Buffer] | HostSlots) -> list[DiskFault | None]:
-        """outs: one buffer per block, or HostSlots (the blocks land in one host buffer)."""
+    def read(self, locs: Sequence[int], outs: Sequence[Buffer] | HostSlots,
+             fanout: int = READ_FANOUT) -> list[DiskFault | None]:
+        """outs: one buffer per block, or HostSlots (the blocks land in one host buffer); fanout:
+        about how many requests the batch becomes (see _request_size)."""
         n = len(locs)
         faults: list[DiskFault | None] = [None] * n
         la = np.fromiter(locs, np.int64, n)
@@ -558,7 +560,7 @@ class DiskStore:
             files = {s: self._files[s] for s in segs}
         bad: dict[int, DiskFault] = {}
         try:
-            size = self._request_size(int(lengths[good].sum()), READ_FANOUT)
+            size = self._request_size(int(lengths[good].sum()), fanout)
             if slots is not None:
                 runs = batch_io.plan_slots(good, la[good], slots.subset(good), files, size, reading=True)
             else:

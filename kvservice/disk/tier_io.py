@@ -20,6 +20,7 @@ a write that completes for nobody is freed again.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -81,10 +82,12 @@ class TierIO:
         return asyncio.get_running_loop().run_in_executor(
             self._writers, _paced, self._write_bucket, self.store.write, locs, blocks, bufs)
 
-    def read_many(self, locs: list[int], outs: list[Buffer]) -> asyncio.Future:
-        """One coalesced DiskStore.read of a batch on the reader pool (see write_many)."""
+    def read_many(self, locs: list[int], outs: list[Buffer], fanout: int = 0) -> asyncio.Future:
+        """One coalesced DiskStore.read of a batch on the reader pool (see write_many); fanout:
+        requests to split it into (0: the store's default)."""
+        read = functools.partial(self.store.read, fanout=fanout) if fanout else self.store.read
         return asyncio.get_running_loop().run_in_executor(
-            self._readers, _paced, self._read_bucket, self.store.read, locs, outs)
+            self._readers, _paced, self._read_bucket, read, locs, outs)
 
     def _join(self, pending: list[_Pending], flush, item) -> asyncio.Future:
         loop = asyncio.get_running_loop()
