@@ -685,10 +685,11 @@ class Tiers:
         block_bytes (the caller's pool block size), a block of another size - a row recovered from
         a damaged or crafted disk - fails as wrong_size and is discarded, never handed over.
         on_part(first, results): a Load of at least 2 x READ_PART_BYTES that lands wholly in host
-        slots is read as up to READ_PARTS parts issued at once (the same bytes in flight, larger
-        requests split fewer ways), each settled as it lands and announced through on_part (on the
-        loop, before its pins go: pin what you copy from), so the caller copies one part to the
-        engine while the rest is still read. Files format: read_from_disk per block, in parallel."""
+        slots, with no other disk read in flight, is read as up to READ_PARTS parts issued at once
+        (the same bytes in flight, larger requests split fewer ways), each settled as it lands and
+        announced through on_part (on the loop, before its pins go: pin what you copy from), so the
+        caller copies one part to the engine while the rest is still read.
+        Files format: read_from_disk per block, in parallel."""
         if block_bytes:
             wrong = {i for i, e in enumerate(entries) if e.size != block_bytes}
             if wrong:
@@ -721,7 +722,9 @@ class Tiers:
         if not rest:  # every block lands in a host slot: one planned, coalesced read into the arena
             outs = self._host_slots(entries, offsets)  # type: ignore[arg-type]
             total = int(outs.lengths.sum())
-            if on_part is not None and total >= 2 * READ_PART_BYTES:  # parts read at once, each settled as it lands
+            # parts read at once, each settled as it lands; only for a read alone: the reader pool's
+            # threads each wait on one call, so parts of concurrent Loads would cut the bytes in flight
+            if on_part is not None and total >= 2 * READ_PART_BYTES and not self.reads_in_flight:
                 k = min(READ_PARTS, total // READ_PART_BYTES)
                 parts = [(n * j // k, n * (j + 1) // k) for j in range(k)]
         else:
