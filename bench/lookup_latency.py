@@ -9,7 +9,8 @@ Starts a real daemon subprocess, stores `--stored` blocks, then times, one call 
                   KVClient.lookup, KVClient.submit_lookup(...).result() and submit_lookup until its done
                   callback runs (what model_runner's scheduler waits for), and as raw frames, no client;
   gRPC            the same through a KVClient(lookup_channel=False) (a synchronous gRPC channel from the
-                  caller's thread), raw stubs, AsyncKVClient.lookup in its loop, the daemon's Heartbeat;
+                  caller's thread), raw stubs, the daemon's Heartbeat;
+  (both)          AsyncKVClient.lookup in its own event loop, with and without the channel;
   floor           gRPC alone: an empty unary call to a bare grpc.aio echo server (a subprocess, Unix
                   socket, no interceptor, no servicer), from a synchronous and from a grpc.aio channel.
 The synchronous calls are interleaved in `--rounds` rounds (a busy box's noise falls on all alike);
@@ -202,14 +203,19 @@ def main() -> None:
         ]
         rows = interleaved(calls, a.iters, a.rounds)
 
-        async def aio() -> tuple[list[float], list[float]]:
+        async def aio() -> tuple[list[float], list[float], list[float]]:
             async with AsyncKVClient(d.target, ns, pool, client_name="lookup bench async") as ac, \
+                    AsyncKVClient(d.target, ns, pool, client_name="lookup bench async grpc",
+                                  lookup_channel=False) as ag, \
                     grpc.aio.insecure_channel(echo.target) as ech:
+                assert await ac.lookup(hashes) == await ag.lookup(hashes) == expected
                 f = ech.unary_unary("/bench.Echo/Echo", request_serializer=_ident, response_deserializer=_ident)
                 return (await timed_async(lambda: ac.lookup(hashes), a.iters),
+                        await timed_async(lambda: ag.lookup(hashes), a.iters),
                         await timed_async(lambda: f(b"", timeout=10), a.iters))
-        async_lookup, aio_floor = asyncio.run(aio())
-        rows.append((g, f"Lookup x{n}: AsyncKVClient.lookup in its loop (not interleaved)", async_lookup, False))
+        async_channel, async_grpc, aio_floor = asyncio.run(aio())
+        rows.append((ch, f"Lookup x{n}: AsyncKVClient.lookup in its loop (not interleaved)", async_channel, False))
+        rows.append((g, f"Lookup x{n}: AsyncKVClient.lookup in its loop (not interleaved)", async_grpc, False))
         rows.append(("floor", "bare grpc.aio echo server, empty call, grpc.aio channel (not interleaved)", aio_floor,
                      False))
         assert client.lookup(hashes) == expected and client.lookup_route == "lookup channel"

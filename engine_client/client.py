@@ -37,6 +37,7 @@ import grpc
 from engine_client.backoff import Backoff
 from engine_client.errors import DETACHING_CODES, KVClientError, from_rpc_error
 from engine_client.hashing import HASH_BYTES, BlockHasher
+from engine_client.lookup_channel import AsyncLookupChannel, ChannelDown
 from engine_client.namespace import Namespace
 from engine_client.registration import register, unix_socket_path
 from engine_client.results import LoadResults, StoreResults
@@ -45,6 +46,7 @@ from kvwire.v1 import kvcache_pb2, kvcache_pb2_grpc
 log = logging.getLogger(__name__)
 
 UNREACHABLE = "daemon unreachable"
+UNANSWERED: tuple[int, list[int]] = (0, [])  # a Lookup the client detached on (compared by identity)
 
 _CHANNEL_OPTIONS = (
     # gRPC's default reconnect backoff grows to 120 s; a restarted daemon must be found in seconds.
@@ -95,12 +97,15 @@ class AsyncKVClient:
         timeout: float = 30.0,
         heartbeat_timeout: float = 2.0,
         open_timeout: float = 10.0,
+        lookup_channel: bool = True,
     ) -> None:
         """`target`: the daemon's socket_path, as "unix:///path/to.sock" or a bare absolute path (the data
         plane is served on Unix sockets only; the pool registers on "<path>.reg").
 
         heartbeat_interval defaults to a third of the lease the daemon grants. `timeout` bounds
         each data RPC, `heartbeat_timeout` each Heartbeat/CloseSession, `open_timeout` OpenSession.
+        lookup_channel=False sends every Lookup over gRPC (by default Lookup goes over the daemon's
+        Lookup channel when the session names one: lookup_channel.py).
         """
         self.target = f"unix://{target}" if target.startswith("/") else target
         self.namespace = namespace
@@ -111,6 +116,8 @@ class AsyncKVClient:
         self._timeout = timeout
         self._heartbeat_timeout = heartbeat_timeout
         self._open_timeout = open_timeout
+        self._use_lookup_channel = lookup_channel
+        self._lookup_channel: AsyncLookupChannel | None = None
         self._canary = self.hasher.canary()
         self._pool_desc: kvcache_pb2.PoolDescription | None = None
         self._channel: grpc.aio.Channel | None = None
@@ -207,6 +214,8 @@ class AsyncKVClient:
         if session is not None:
             await self._close_session_quietly(session.session_id)
         self._drop_lease()
+        if self._lookup_channel is not None:
+            self._lookup_channel.close()
         await self._drop_channel()
 
     async def __aenter__(self) -> AsyncKVClient:
@@ -230,10 +239,15 @@ class AsyncKVClient:
             end = session.batch_end(pos, n)
             request = kvcache_pb2.LookupRequest(session_id=session.session_id,
                                                 hashes=packed[pos * HASH_BYTES:end * HASH_BYTES])
-            reply = await self._call("Lookup", request, session)
-            if reply is None:
+            answer = await self._channel_lookup(session, request, end - pos)
+            if answer is None:  # no channel, or it cannot answer: the same Lookup over gRPC
+                reply = await self._call("Lookup", request, session)
+                if reply is None:
+                    return 0, []
+                answer = lookup_answer(reply, end - pos)
+            elif answer is UNANSWERED:
                 return 0, []
-            got, more = lookup_answer(reply, end - pos)
+            got, more = answer
             prefix += got
             tiers.extend(more)
             if got < end - pos:
@@ -355,6 +369,36 @@ class AsyncKVClient:
                                     f"{rpc} of {hi - done} blocks answered {[len(a) for a in got]} results")
             take(reply)
             done = hi
+
+    async def _channel_lookup(self, session: _Session, request: kvcache_pb2.LookupRequest, asked: int
+                              ) -> tuple[int, list[int]] | None:
+        """One Lookup on the daemon's Lookup channel; None: use gRPC; UNANSWERED: detached (an
+        empty cache's answer), as gRPC's detaching codes."""
+        path = session.lookup_socket
+        if not self._use_lookup_channel or not path:
+            return None
+        channel = self._lookup_channel
+        if channel is None or channel.path != path:
+            if channel is not None:
+                channel.close()
+            channel = self._lookup_channel = AsyncLookupChannel(path, self._timeout)
+        if not channel.usable:
+            return None
+        try:
+            got = await channel.call(request.SerializeToString())
+        except ChannelDown:
+            return None
+        except TimeoutError:
+            self._detach(session, "Lookup", grpc.StatusCode.DEADLINE_EXCEEDED,
+                         f"no answer on the Lookup channel within {self._timeout:g} s")
+            return UNANSWERED
+        if got.code:
+            code = grpc.StatusCode.__members__.get(got.code, grpc.StatusCode.UNKNOWN)
+            if code in DETACHING_CODES:
+                self._detach(session, "Lookup", code, got.message)
+                return UNANSWERED
+            raise KVClientError(code, got.message or code.name)
+        return lookup_channel_answer(got, asked)
 
     async def _call(self, rpc: str, request: Any, session: _Session) -> Any | None:
         """Send one data RPC; None when the daemon is unreachable (and the client detaches)."""

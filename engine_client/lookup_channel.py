@@ -5,6 +5,10 @@
     channel.pipeline().send(request, on_answer)  # the same, not blocking: on_answer(reply, failure)
     channel.close()                            # on the pipeline's reader thread
 
+    achannel = AsyncLookupChannel(path, timeout)   # the same for AsyncKVClient, in its event loop
+    reply = await achannel.call(request)
+    achannel.close()
+
 The daemon serves the same Lookup there as on gRPC (kvservice/api/lookup_channel.py, wire in
 kvwire.lookup_frames), at a fraction of gRPC Python's round trip. Any thread may call: a call
 takes an idle connection or opens one (one per thread calling at the same time, MAX_CONNECTIONS at
@@ -24,6 +28,7 @@ the caller treats it as gRPC's DEADLINE_EXCEEDED).
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -289,3 +294,93 @@ class LookupPipeline:
 def _tell(failed: list[_Pending], why: str) -> None:
     for p in failed:
         p.on_answer(None, why)
+
+
+class AsyncLookupChannel:
+    """The channel for AsyncKVClient: one connection in its event loop, one request at a time
+    (the daemon answers them in turn anyway). Same failure contract as LookupChannel.call: ChannelDown
+    (use gRPC), TimeoutError (the daemon hangs). A call cancelled mid-round-trip drops the
+    connection (its answer would be read by the next call otherwise)."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        self.path = path
+        self._timeout = timeout
+        self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self._lock: asyncio.Lock | None = None
+        self._down_until = 0.0
+        self._closed = False
+
+    @property
+    def usable(self) -> bool:
+        return not self._closed and time.monotonic() >= self._down_until
+
+    async def call(self, request: bytes) -> kvcache_pb2.LookupChannelReply:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            reused = self._conn is not None
+            try:
+                payload = await self._round_trip(request)
+            except ChannelDown:
+                if reused:  # a restart broke the old connection: one fresh try
+                    try:
+                        payload = await self._round_trip(request)
+                    except ChannelDown:
+                        self._down_until = time.monotonic() + DOWN_SECONDS
+                        raise
+                else:
+                    self._down_until = time.monotonic() + DOWN_SECONDS
+                    raise
+        try:
+            return kvcache_pb2.LookupChannelReply.FromString(payload)
+        except DecodeError:
+            self._drop()
+            raise ChannelDown("the Lookup channel answered something that is not a LookupChannelReply") from None
+
+    def close(self) -> None:
+        self._closed = True
+        self._drop()
+
+    async def _round_trip(self, request: bytes) -> bytes:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        fired = [False]
+
+        def expire() -> None:
+            fired[0] = True
+            task.cancel()
+        timer = loop.call_later(self._timeout, expire)  # asyncio.timeout() without needing 3.11
+        ok = False
+        try:
+            if self._conn is None:
+                try:
+                    self._conn = await asyncio.open_unix_connection(self.path)
+                except OSError as e:
+                    raise ChannelDown(f"cannot connect to {self.path}: {e.strerror or e}") from None
+            reader, writer = self._conn
+            writer.write(frame(request))
+            head = await reader.readexactly(HEADER.size)
+            (length,) = HEADER.unpack(head)
+            if length > MAX_REPLY_BYTES:
+                raise ChannelDown(f"frame of {length} bytes is longer than {MAX_REPLY_BYTES}")
+            payload = await reader.readexactly(length) if length else b""
+            ok = True
+            return payload
+        except asyncio.CancelledError:
+            if fired[0]:  # our timer's cancel (delivered at the await it fired during), not the caller's
+                if hasattr(task, "uncancel"):
+                    task.uncancel()
+                raise TimeoutError(f"no answer on the Lookup channel within {self._timeout:g} s") from None
+            raise
+        except (OSError, asyncio.IncompleteReadError) as e:
+            raise ChannelDown(f"the Lookup channel broke: {e!r}") from None
+        finally:
+            timer.cancel()
+            if not ok:
+                self._drop()
+
+    def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn[1].close()

@@ -64,7 +64,8 @@ class KVClient:
     ) -> None:
         """Arguments as AsyncKVClient; `options` are its keyword-only timeouts. lookup_channel=False
         sends every Lookup over gRPC (the daemon's Lookup channel is used by default when it has one)."""
-        self._client = AsyncKVClient(target, namespace, pool, client_name, heartbeat_interval, **options)
+        self._client = AsyncKVClient(target, namespace, pool, client_name, heartbeat_interval,
+                                     lookup_channel=lookup_channel, **options)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvclient-loop", daemon=True)
         self._thread.start()

@@ -6,6 +6,7 @@ channel is not there.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -217,6 +218,51 @@ def test_concurrent_callers_get_their_own_answers(daemon, pool):
         assert not wrong, wrong[:3]
         assert client._channel._open <= MAX_CONNECTIONS
         assert client.lookup_route == "lookup channel"
+
+
+async def test_async_client_asks_the_channel_too(daemon, pool):
+    """Scenario: an asyncio engine (AsyncKVClient) asks the same Lookups: on the channel they
+    answer what gRPC answers; a Lookup its caller cancels while the daemon stalls leaves no
+    half-read answer behind (the next one answers its own question); a daemon that stays stalled
+    past the timeout answers as an empty cache (detached, then re-attached); with the socket gone
+    the Lookups go over gRPC."""
+    from engine_client import AsyncKVClient
+
+    async with AsyncKVClient(daemon.target, NS, pool, client_name="async", timeout=1.0) as client, \
+            AsyncKVClient(daemon.target, NS, pool, client_name="async grpc", lookup_channel=False) as slow:
+        chain = client.hasher.hash_blocks(range(16 * 40))
+        await client.store(chain[:30], list(range(30)))
+        other = client.hasher.hash_blocks(range(5000, 5000 + 16 * 4))
+        for q in (chain, chain[:10], chain[29:], other, []):
+            assert await client.lookup(q) == await slow.lookup(q)
+        assert client._lookup_channel is not None and client._lookup_channel._conn is not None
+        assert slow._lookup_channel is None  # never used
+
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            task = asyncio.ensure_future(client.lookup(chain))
+            await asyncio.sleep(0.2)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert client._lookup_channel._conn is None  # dropped: its late answer is nobody's
+            t0 = time.monotonic()
+            assert await client.lookup(chain) == (0, [])  # past the timeout: an empty cache's answer
+            assert 0.9 < time.monotonic() - t0 < 5 and not client.attached
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        for _ in range(3000):
+            if client.attached:
+                break
+            await asyncio.sleep(0.01)
+        assert client.attached
+        assert await client.lookup(other) == (0, [])
+        assert await client.lookup(chain) == (30, [HOST] * 30)
+
+        os.unlink(lookup_socket_path(daemon.socket_path))
+        client._lookup_channel._drop()
+        assert await client.lookup(chain) == (30, [HOST] * 30)  # over gRPC
+        assert not client._lookup_channel.usable
 
 
 def test_old_daemon_without_a_channel_is_asked_over_grpc():
