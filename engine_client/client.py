@@ -12,6 +12,8 @@ Primitives (batched; each answers per block, in the order asked):
 
 Batches longer than the daemon's max_batch_blocks are split client-side, sent in order. On the wire
 hashes travel packed (one bytes of n x 32) and block ids as packed integers (kvservice.v1).
+Lookup goes over the daemon's Lookup channel (lookup_channel.py: the same call as plain frames on a
+Unix socket, a fraction of gRPC's round trip) when the session names one, else over gRPC.
 
 Resilience: the cache is an accelerator, never a dependency. While the daemon is down or
 restarting (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED, or NOT_FOUND for a session a restarted
