@@ -4,8 +4,11 @@ The reference engine's decode is bound by its loop thread's Python (one forward 
 ~30-40 ms of kernel launches on the 8B shape), so an engine whose loop thread shares a physical core with
 a busy daemon or benchmark thread decodes slower for reasons that have nothing to do with the service.
 On the H200 host, runs of identical code moved the decode step between 33 and 43 ms. Pinned, each engine
-owns whole physical cores (all their hyperthreads) and the daemons, the benchmark client and everything
-else share the rest, as a deployment would place a latency-critical engine.
+owns whole physical cores (all their hyperthreads, at least two logical CPUs) and the daemons, the
+benchmark client and everything else share the rest, as a deployment would place a latency-critical
+engine. Measured once on the H200 with one vCPU per engine (that host shows no hyperthread siblings):
+the decode step did not settle (prefetch 0: 30.3 ms, prefetch 4: 44.3 ms in the same run), so pinning
+is not the cure for the run-to-run spread; the two-CPU placement has not been measured.
 """
 
 from __future__ import annotations
@@ -25,9 +28,16 @@ def physical_cores() -> list[list[int]]:
     return sorted(groups.values())
 
 
-def plan(engines: list[str], cores_each: int = 1) -> tuple[dict[str, set[int]], set[int]]:
-    """({engine: its CPUs}, the CPUs left for daemons and the client); raises when too few cores."""
+MIN_CPUS_PER_ENGINE = 2  # the loop thread and the rest (HTTP, KVClient loop, gRPC): one vCPU shared by all of them
+# made the H200 run's service engine decode 4% slower than the engine alone (29.8 vs 28.7 ms a step; unpinned: equal)
+
+
+def plan(engines: list[str]) -> tuple[dict[str, set[int]], set[int]]:
+    """({engine: its CPUs}, the CPUs left for daemons and the client): each engine gets whole physical
+    cores, at least MIN_CPUS_PER_ENGINE logical CPUs; raises when too few cores."""
     cores = physical_cores()
+    per_core = max(1, min(len(c) for c in cores))
+    cores_each = -(-MIN_CPUS_PER_ENGINE // per_core)
     need = len(engines) * cores_each
     if len(cores) < need + 2:
         raise RuntimeError(f"--pin-cpus needs {need + 2} physical cores ({cores_each} per engine and 2 for the "
