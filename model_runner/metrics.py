@@ -9,6 +9,40 @@ import prometheus_client as prom
 
 prom.disable_created_metrics()  # process-wide, as prometheus-client offers it; the engine is its own process
 
+class _ThreadCpu:
+    """model_runner_thread_cpu_seconds_total{thread}: CPU time (user + system) of each Python thread of
+    this process by its name (Linux /proc), and "other" for the rest (gRPC's and torch's native
+    threads): which threads besides the engine loop take the CPU."""
+
+    def collect(self):
+        import os
+        import threading
+
+        from prometheus_client.core import CounterMetricFamily
+
+        fam = CounterMetricFamily("model_runner_thread_cpu_seconds", "CPU time of this process's threads, by "
+                                  "Python thread name; other: threads Python did not start", labels=("thread",))
+        tick = os.sysconf("SC_CLK_TCK")
+        by_name: dict[str, float] = {}
+        try:
+            for t in threading.enumerate():
+                if t.native_id is None:
+                    continue
+                with open(f"/proc/self/task/{t.native_id}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                name = t.name.split(" (")[0] if t.name.startswith("Thread-") else t.name
+                by_name[name] = by_name.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+            with open("/proc/self/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total = (int(fields[11]) + int(fields[12])) / tick
+        except OSError:  # not Linux, or a thread ended between the two reads
+            return [fam]
+        for name, v in sorted(by_name.items()):
+            fam.add_metric([name], v)
+        fam.add_metric(["other"], max(0.0, total - sum(by_name.values())))
+        return [fam]
+
+
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -18,6 +52,7 @@ class EngineMetrics:
         if registry is None:
             for standard in (prom.PROCESS_COLLECTOR, prom.PLATFORM_COLLECTOR, prom.GC_COLLECTOR):
                 r.register(standard)
+            r.register(_ThreadCpu())
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> prom.Counter:
             return prom.Counter(f"model_runner_{name}", doc, labels, registry=r)

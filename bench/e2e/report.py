@@ -291,6 +291,17 @@ def render_md(results: dict) -> str:
                          f"{dd.get('prefetch_staged', '-')} / {dd.get('prefetch_used', '-')} / "
                          f"{dd.get('prefetch_wasted', '-')} | {fmt(bw / 1e9 if bw else None, 2)}, "
                          f"{fmt(em.get('model_runner_prefill_tokens_per_second'), 0)} |")
+        cpu_rows = []
+        for n in names:
+            em = cfg[n].get("engine_metrics", {})
+            th = {k.split('thread="')[1].rstrip('"}'): v for k, v in em.items()
+                  if k.startswith("model_runner_thread_cpu_seconds_total")}
+            if th:
+                cpu_rows.append(f"{cfg[n]['label']}: " + ", ".join(f"{k} {v:.1f}" for k, v in
+                                                                   sorted(th.items(), key=lambda kv: -kv[1])))
+        if cpu_rows:
+            L.append("\nEngine process CPU seconds by thread over each run (model_runner_thread_cpu_seconds_total):\n")
+            L += [f"- {r}" for r in cpu_rows]
     nr = results.get("no_reuse")
     if nr:
         L.append("\n## No reuse\n")
