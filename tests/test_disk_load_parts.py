@@ -7,6 +7,7 @@ boundary (os_preadv) where a real disk cannot be made to fail one request."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import threading
 
@@ -44,6 +45,31 @@ def _get(cache, i: int):
     return found[0]
 
 
+@contextlib.asynccontextmanager
+async def _parts_setup(tmp_path, monkeypatch):
+    """A cache whose 16-block Loads are read in four parts, with blocks 16..31 on disk only and a
+    clean host tier to land them in: (cache, engine)."""
+    monkeypatch.setattr(tiers_mod, "READ_PART_BYTES", 2 * BLOCK)
+    cfg = small_config(tmp_path, disk_blocks=4 * N, host_capacity_bytes=N * BLOCK)
+    async with started_cache(cfg) as cache:
+        pool = Pool(num_blocks=4 * N)
+        try:
+            eng = Engine(cache, pool)
+            await _on_disk_with_clean_room(cache, eng)
+            yield cache, eng
+        finally:
+            pool.close()
+
+
+def _reads_block(cache, i: int):
+    """A predicate on (fd, bufs, offset) of segment.os_preadv: the request reads block i's slot."""
+    e = _get(cache, i)
+    seg_id, slot = e.disk_loc >> 32, e.disk_loc & 0xFFFFFFFF
+    f = cache.tiers.segments.store._files[seg_id]
+    fds, at = (f.dfd, f.fd), f.offset(slot)
+    return lambda fd, bufs, off: fd in fds and off <= at < off + sum(b.nbytes for b in bufs)
+
+
 def _count_reads(cache, monkeypatch) -> list[int]:
     calls: list[int] = []
     real = cache.tiers.segments.read_many
@@ -60,83 +86,57 @@ async def test_a_large_disk_load_is_read_in_parts_each_copied_as_it_lands(tmp_pa
     """Scenario: a 16-block Load of disk blocks with room in the host tier: four reads of four
     blocks are issued at once, every block is LOADED from the disk tier byte-exact (Engine.load
     compares), each onboarded once, and nothing is left pinned or half-made."""
-    monkeypatch.setattr(tiers_mod, "READ_PART_BYTES", 2 * BLOCK)
-    cfg = small_config(tmp_path, disk_blocks=4 * N, host_capacity_bytes=N * BLOCK)
-    async with started_cache(cfg) as cache:
-        pool = Pool(num_blocks=4 * N)
-        try:
-            eng = Engine(cache, pool)
-            await _on_disk_with_clean_room(cache, eng)
-            calls = _count_reads(cache, monkeypatch)
-            onboards = cache.stats.total.disk_onboards
-            res = await eng.load(list(range(N, 2 * N)))
-            assert [r.status for r in res] == [LoadStatus.LOADED] * N
-            assert [r.tier for r in res] == [Tier.DISK] * N
-            assert calls == [N // 4] * 4
-            await _settled(cache)
-            assert all(_get(cache, i).slot >= 0 for i in range(N, 2 * N))  # onboarded: the read's host slots
-            assert cache.stats.total.disk_onboards == onboards + N
-            assert cache.audit() == []
-            res = await eng.load(list(range(N, 2 * N)))  # host hits now, the same bytes
-            assert [r.tier for r in res] == [Tier.HOST] * N
-        finally:
-            pool.close()
+    async with _parts_setup(tmp_path, monkeypatch) as (cache, eng):
+        calls = _count_reads(cache, monkeypatch)
+        onboards = cache.stats.total.disk_onboards
+        res = await eng.load(list(range(N, 2 * N)))
+        assert [r.status for r in res] == [LoadStatus.LOADED] * N
+        assert [r.tier for r in res] == [Tier.DISK] * N
+        assert calls == [N // 4] * 4
+        await _settled(cache)
+        assert all(_get(cache, i).slot >= 0 for i in range(N, 2 * N))  # onboarded: the read's host slots
+        assert cache.stats.total.disk_onboards == onboards + N
+        assert cache.audit() == []
+        res = await eng.load(list(range(N, 2 * N)))  # host hits now, the same bytes
+        assert [r.tier for r in res] == [Tier.HOST] * N
 
 
 async def test_one_failing_part_fails_only_its_blocks(tmp_path, monkeypatch):
     """Scenario: EIO on the request of the part holding the Load's first block: that block is
     FAILED with an I/O message and discarded; the other parts' blocks are LOADED byte-exact;
     nothing pinned or half-made."""
-    monkeypatch.setattr(tiers_mod, "READ_PART_BYTES", 2 * BLOCK)
-    cfg = small_config(tmp_path, disk_blocks=4 * N, host_capacity_bytes=N * BLOCK)
-    async with started_cache(cfg) as cache:
-        pool = Pool(num_blocks=4 * N)
-        try:
-            eng = Engine(cache, pool)
-            await _on_disk_with_clean_room(cache, eng)
-            first = _get(cache, N)
-            seg_id, slot = first.disk_loc >> 32, first.disk_loc & 0xFFFFFFFF
-            f = cache.tiers.segments.store._files[seg_id]
-            target = (f.dfd, f.fd, f.offset(slot))
-            real = segment.os_preadv
+    async with _parts_setup(tmp_path, monkeypatch) as (cache, eng):
+        reads_first = _reads_block(cache, N)
+        real = segment.os_preadv
 
-            def eio(fd, bufs, off):
-                if fd in target[:2] and off <= target[2] < off + sum(b.nbytes for b in bufs):
-                    raise OSError(errno.EIO, "injected EIO")
-                return real(fd, bufs, off)
+        def eio(fd, bufs, off):
+            if reads_first(fd, bufs, off):
+                raise OSError(errno.EIO, "injected EIO")
+            return real(fd, bufs, off)
 
-            monkeypatch.setattr(segment, "os_preadv", eio)
-            res = await eng.load(list(range(N, 2 * N)))
-            monkeypatch.setattr(segment, "os_preadv", real)
-            assert res[0].status == LoadStatus.FAILED and "injected EIO" in res[0].message, res[0]
-            failed = [i for i in range(N) if res[i].status != LoadStatus.LOADED]
-            assert failed and max(failed) < N // 4  # only the first part's blocks
-            assert all(res[i].status == LoadStatus.LOADED for i in range(N // 4, N))
-            await _settled(cache)
-            assert cache.audit() == []
-        finally:
-            pool.close()
+        monkeypatch.setattr(segment, "os_preadv", eio)
+        res = await eng.load(list(range(N, 2 * N)))
+        monkeypatch.setattr(segment, "os_preadv", real)
+        assert res[0].status == LoadStatus.FAILED and "injected EIO" in res[0].message, res[0]
+        failed = [i for i in range(N) if res[i].status != LoadStatus.LOADED]
+        assert failed and max(failed) < N // 4  # only the first part's blocks
+        assert all(res[i].status == LoadStatus.LOADED for i in range(N // 4, N))
+        await _settled(cache)
+        assert cache.audit() == []
 
 
 async def test_a_load_cancelled_while_its_parts_land_leaves_nothing_pinned(tmp_path, monkeypatch):
     """Scenario: the Load is cancelled after its first part landed and while the last part's
     read is held at the I/O boundary; once the read is let go, nothing is pinned or half-made
     and the blocks load again byte-exact."""
-    monkeypatch.setattr(tiers_mod, "READ_PART_BYTES", 2 * BLOCK)
-    cfg = small_config(tmp_path, disk_blocks=4 * N, host_capacity_bytes=N * BLOCK)
-    async with started_cache(cfg) as cache:
-        pool = Pool(num_blocks=4 * N)
-        try:
-            eng = Engine(cache, pool)
-            await _on_disk_with_clean_room(cache, eng)
-            last = _get(cache, 2 * N - 1)
-            seg_id, slot = last.disk_loc >> 32, last.disk_loc & 0xFFFFFFFF
-            f = cache.tiers.segments.store._files[seg_id]
-            gate, entered = threading.Event(), threading.Event()
+    gate, entered = threading.Event(), threading.Event()
+    try:
+        async with _parts_setup(tmp_path, monkeypatch) as (cache, eng):
+            reads_last = _reads_block(cache, 2 * N - 1)
             real = segment.os_preadv
 
             def held(fd, bufs, off):
-                if fd in (f.dfd, f.fd) and off <= f.offset(slot) < off + sum(b.nbytes for b in bufs):
+                if reads_last(fd, bufs, off):
                     entered.set()
                     gate.wait(10)
                 return real(fd, bufs, off)
@@ -158,6 +158,5 @@ async def test_a_load_cancelled_while_its_parts_land_leaves_nothing_pinned(tmp_p
             assert cache.audit() == []
             res = await eng.load(list(range(N, 2 * N)))
             assert all(r.status == LoadStatus.LOADED for r in res)
-        finally:
-            gate.set()
-            pool.close()
+    finally:
+        gate.set()
