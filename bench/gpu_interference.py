@@ -80,7 +80,7 @@ def helper_role(args) -> None:
     """Another process with the pool's IPC handle: copy --store-mib every --period until stdin closes."""
     from engine_client.shm_pool import _regions
     from kvservice.core.sessions_api import PoolRegion, PoolSpec
-    from kvservice.memory.cuda_memory import CudaEngineMemory, _DevicePointer, _rt
+    from kvservice.memory.cuda_memory import CudaEngineMemory, _rt
     from kvservice.memory.host_arena import HostArena
     from kvwire.v1 import kvcache_pb2
 
@@ -162,7 +162,6 @@ def main() -> None:
             side = torch.cuda.Stream(priority=0)  # lowest priority (torch: 0 is low, negative is high)
             host = torch.empty(n * BLOCK, dtype=torch.uint8, pin_memory=True)
             staging = torch.empty(n * BLOCK, dtype=torch.uint8, device="cuda")
-            views = [pool.region_view(r) for r in range(2 * LAYERS)]
             view3 = pool.buffer.as_strided((2 * LAYERS, nb, BLOCK // (2 * LAYERS)),
                                            (pool.regions[1].offset - pool.regions[0].offset,
                                             pool.regions[0].block_stride, 1), pool.regions[0].offset)
@@ -182,7 +181,6 @@ def main() -> None:
                     side.synchronize()
                     moved[0] += 1
                     stop.wait(max(0.0, args.period - (time.perf_counter() - t0)))
-            del views
             th = threading.Thread(target=mover, daemon=True)
             th.start()
             r = compute_loop(args.seconds)

@@ -5,9 +5,21 @@ every counter and histogram by default (a second series per counter that dashboa
 
 from __future__ import annotations
 
+import os
+import threading
+
 import prometheus_client as prom
+from prometheus_client.core import CounterMetricFamily
 
 prom.disable_created_metrics()  # process-wide, as prometheus-client offers it; the engine is its own process
+
+
+def _cpu_seconds(stat_path: str) -> float:
+    """utime + stime of a /proc .../stat file, in seconds."""
+    with open(stat_path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
 
 class _ThreadCpu:
     """model_runner_thread_cpu_seconds_total{thread}: CPU time (user + system) of each Python thread of
@@ -15,26 +27,16 @@ class _ThreadCpu:
     threads): which threads besides the engine loop take the CPU."""
 
     def collect(self):
-        import os
-        import threading
-
-        from prometheus_client.core import CounterMetricFamily
-
         fam = CounterMetricFamily("model_runner_thread_cpu_seconds", "CPU time of this process's threads, by "
                                   "Python thread name; other: threads Python did not start", labels=("thread",))
-        tick = os.sysconf("SC_CLK_TCK")
         by_name: dict[str, float] = {}
         try:
             for t in threading.enumerate():
                 if t.native_id is None:
                     continue
-                with open(f"/proc/self/task/{t.native_id}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
                 name = t.name.split(" (")[0] if t.name.startswith("Thread-") else t.name
-                by_name[name] = by_name.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-            with open("/proc/self/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total = (int(fields[11]) + int(fields[12])) / tick
+                by_name[name] = by_name.get(name, 0.0) + _cpu_seconds(f"/proc/self/task/{t.native_id}/stat")
+            total = _cpu_seconds("/proc/self/stat")
         except OSError:  # not Linux, or a thread ended between the two reads
             return [fam]
         for name, v in sorted(by_name.items()):

@@ -18,8 +18,9 @@ Per loop iteration the engine calls:
                   prefetcher.py job over the stored prefix (its host part leased, its disk part staged)
                   head first in chunks, off the loop thread (a Lookup's
                   answer starts one itself while fewer than N are staging: no wait for the model step);
-                  at admission the job's staged prefix counts as host-resident (no second Lookup), so the
-                  request loads that from host memory and the cost model decides about the rest; the
+                  at admission the job's staged prefix counts as host-resident (laid over the Lookup, which
+                  a stale answer asks again), so the request loads that from host memory and the cost model
+                  decides about the rest; the
                   jobs' disk read rate feeds the cost model's disk estimate (no disk load needed to learn it)
   poll_parked()   parked -> running once the Load finished; recompute from the first block not loaded
   join_landing()  before a step with a long prefill, wait (briefly) for a parked Load expected to land
@@ -156,12 +157,9 @@ class Scheduler:
             return False
         if seq.lookup_refreshed:
             return False  # once
-        # Also with a prefetch job: its staged count says what it moved to host memory (laid over the new
-        # answer in _stored), but not where the rest of the chain is now: planned from an enqueue-time
-        # answer, blocks that other requests' loads and stagings pushed out of the host tier meanwhile are
-        # read from disk on the request's path (the likely cause, not isolated, of the H200 disk setting at
-        # 8cc387e: the prefetch-4 engine read 74k tokens from disk on its requests' paths against 38k for
-        # prefetch 0, which refreshed; its p50 TTFT there was 50% higher).
+        # Also with a prefetch job: its staged count (laid over the new answer in _stored) says what it moved
+        # to host memory, not where the rest of the chain is now; a plan from an enqueue-time answer reads
+        # from disk, on the request's path, blocks that other requests pushed out of the host tier meanwhile.
         if time.monotonic() - seq.lookup_sent < min_age:
             return False
         stored, _ = fut.result()
