@@ -153,9 +153,26 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="kvintf", dir="/tmp"))
     rows = []
 
-    def with_mover(mode: str) -> tuple[float, int]:
+    def paced(move) -> tuple[float, int]:
+        """compute_loop's rate while another thread calls move() every --period: (it/s, moves done)."""
         stop = threading.Event()
         moved = [0]
+
+        def mover() -> None:
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                move()
+                moved[0] += 1
+                stop.wait(max(0.0, args.period - (time.perf_counter() - t0)))
+        th = threading.Thread(target=mover, daemon=True)
+        th.start()
+        try:
+            return compute_loop(args.seconds), moved[0]
+        finally:
+            stop.set()
+            th.join()
+
+    def with_mover(mode: str) -> tuple[float, int]:
         if mode == "idle":
             return compute_loop(args.seconds), 0
         if mode.startswith("inproc"):
@@ -166,27 +183,17 @@ def main() -> None:
                                            (pool.regions[1].offset - pool.regions[0].offset,
                                             pool.regions[0].block_stride, 1), pool.regions[0].offset)
 
-            def mover() -> None:
-                while not stop.is_set():
-                    t0 = time.perf_counter()
-                    with torch.cuda.stream(side):
-                        if mode == "inproc-dma":
-                            for lo in range(0, n * BLOCK, 32 * MiB):
-                                host[lo:lo + 32 * MiB].copy_(pool.buffer[lo:lo + 32 * MiB], non_blocking=True)
-                        else:
-                            idx = torch.tensor(pick_blocks(nb, n, rng), device="cuda")
-                            torch.index_select(view3.permute(1, 0, 2), 0, idx,
-                                               out=staging.view(n, 2 * LAYERS, -1))
-                            host.copy_(staging, non_blocking=True)
-                    side.synchronize()
-                    moved[0] += 1
-                    stop.wait(max(0.0, args.period - (time.perf_counter() - t0)))
-            th = threading.Thread(target=mover, daemon=True)
-            th.start()
-            r = compute_loop(args.seconds)
-            stop.set()
-            th.join()
-            return r, moved[0]
+            def move_inproc() -> None:
+                with torch.cuda.stream(side):
+                    if mode == "inproc-dma":
+                        for lo in range(0, n * BLOCK, 32 * MiB):
+                            host[lo:lo + 32 * MiB].copy_(pool.buffer[lo:lo + 32 * MiB], non_blocking=True)
+                    else:
+                        idx = torch.tensor(pick_blocks(nb, n, rng), device="cuda")
+                        torch.index_select(view3.permute(1, 0, 2), 0, idx, out=staging.view(n, 2 * LAYERS, -1))
+                        host.copy_(staging, non_blocking=True)
+                side.synchronize()
+            return paced(move_inproc)
         if mode.startswith("xproc"):
             p = subprocess.Popen([sys.executable, __file__, "--role", "helper", "--mode", mode, "--period",
                                   str(args.period), "--store-mib", str(args.store_mib)], stdin=subprocess.PIPE,
@@ -200,32 +207,22 @@ def main() -> None:
             out = json.loads(p.stdout.readline())
             p.wait(30)
             return r, out["copies"]
-        env = {"KVSERVICE_GPU_CRC": "0"} if mode == "daemon-cpu-crc" else {}
         with Daemon(work, tag=mode, host_capacity=4 * args.store_mib * MiB, disk_capacity=0, io_backend="auto",
-                    lease_seconds=None, extra=["--max-batch-blocks", "65536"], env=env) as d:
+                    lease_seconds=None, extra=["--max-batch-blocks", "65536"]) as d:
             ns = Namespace(f"intf-{mode}", "bfloat16", 16, "layer-first")
             c = KVClient(d.target, ns, pool, client_name="bench/gpu_interference.py", timeout=600.0)
             c.connect(required=True)
             try:
                 c.store([os.urandom(32) for _ in range(n)], pick_blocks(nb, n, rng))  # warm
 
-                def mover() -> None:
-                    while not stop.is_set():
-                        t0 = time.perf_counter()
-                        pool.record_ready()
-                        rs = c.store([os.urandom(32) for _ in range(n)], pick_blocks(nb, n, rng))
-                        if rs.statuses.count(1) != n:
-                            raise RuntimeError(f"store: {rs.statuses.count(1)} of {n} stored")
-                        moved[0] += 1
-                        stop.wait(max(0.0, args.period - (time.perf_counter() - t0)))
-                th = threading.Thread(target=mover, daemon=True)
-                th.start()
-                r = compute_loop(args.seconds)
-                stop.set()
-                th.join()
+                def move_store() -> None:
+                    pool.record_ready()
+                    rs = c.store([os.urandom(32) for _ in range(n)], pick_blocks(nb, n, rng))
+                    if rs.statuses.count(1) != n:
+                        raise RuntimeError(f"store: {rs.statuses.count(1)} of {n} stored")
+                return paced(move_store)
             finally:
                 c.close()
-            return r, moved[0]
 
     for mode in args.modes.split(","):
         ips, moved = with_mover(mode)
