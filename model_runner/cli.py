@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="offload blocks only when the GPU tier evicts them, not after every prefill")
     p.add_argument("--load-policy", default=d.load_policy, choices=["auto", "always", "never"],
                    help="auto: load from the service or recompute, whichever measures cheaper")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run decode steps eagerly, without CUDA graphs (as vLLM's flag)")
     p.add_argument("--seed", type=int, default=d.seed, help="weights seed (part of the KV namespace)")
     p.add_argument("--client-name", default="", help="session name shown by the daemon [model-runner[PID]]")
     p.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
@@ -71,7 +73,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         tokens_per_block=args.tokens_per_block, num_gpu_blocks=args.gpu_blocks,
                         max_running=args.max_running, max_prefill_tokens=args.max_prefill_tokens,
                         prefetch_reqs=args.prefetch_reqs,
-                        write_through=args.write_through, load_policy=args.load_policy, service=args.service)
+                        write_through=args.write_through, load_policy=args.load_policy, service=args.service,
+                        cuda_graphs=not args.enforce_eager)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,4 +47,5 @@ class EngineConfig:
     prefetch_reqs: int = 4  # queued requests to prefetch for; 0 disables
     write_through: bool = True  # store finished prefills to the service right away
     load_policy: str = "auto"  # "auto": load or recompute by measured cost | "always" | "never"
+    cuda_graphs: bool = True  # decode steps from CUDA graphs (CUDA, bf16/fp16 only); False: eager, as --enforce-eager
     service: str = ""  # e.g. "unix:///run/kvservice/kvservice.sock"; empty: no service

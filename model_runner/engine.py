@@ -12,7 +12,8 @@ submit() is thread-safe and only enqueues; the loop thread owns every piece of e
 queued ones, pick up parked requests whose loads landed (scheduler.py), then one model step: the
 whole remaining prompt of each newly runnable request, one token of each decoding one. Requests
 run one after another inside a step: this reference engine batches by interleaving, not by
-stacking sequences into one kernel.
+stacking sequences into one kernel. On a GPU in half precision a decode step replays a CUDA graph
+(decode_graphs.py; EngineConfig.cuda_graphs=False runs it eagerly).
 
 kv_source of a result: "none" (nothing cached), "gpu" (GPU-tier hit only), "loaded" (blocks
 loaded from the service), or "recomputed:<why>" for a prefix the service could not usefully
@@ -37,6 +38,7 @@ import torch
 from engine_client.hashing import BlockHasher
 from engine_client.sync_client import KVClient
 from model_runner.config import PRESETS, EngineConfig
+from model_runner.decode_graphs import DecodeGraphs
 from model_runner.kv_pool import PagedKVPool
 from model_runner.metrics import EngineMetrics
 from model_runner.model import LlamaModel
@@ -91,6 +93,9 @@ class Engine:
         self._output_ids_list = self.tokenizer.output_ids()
         self._output_ids = torch.tensor(self._output_ids_list, dtype=torch.long, device=self.model.device)
         self._warm_up()
+        self.decode_graphs: DecodeGraphs | None = None
+        if cfg.cuda_graphs and self.model.device.type == "cuda" and self.model._fused():
+            self.decode_graphs = DecodeGraphs(self.model, self.pool.kv, cfg.num_gpu_blocks)
         self.client: KVClient | None = None
         if cfg.service:
             self.client = KVClient(cfg.service, self.namespace, self.pool.raw, client_name=client_name)
@@ -262,7 +267,10 @@ class Engine:
             self.sched.prefilled(seq, len(new), ctx, dt)
         else:
             t0 = time.perf_counter()
-            logits = self.model.forward(seq.tokens[-1:], seq.n_cached, seq.table, kv, last_only=True)
+            if self.decode_graphs is not None:
+                logits = self.decode_graphs.decode(seq.tokens[-1], seq.n_cached, seq.table)
+            else:
+                logits = self.model.forward(seq.tokens[-1:], seq.n_cached, seq.table, kv, last_only=True)
             token = self._sample(seq, logits[-1])
             self._fwd_decode.observe(time.perf_counter() - t0)
             seq.n_cached += 1

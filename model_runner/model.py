@@ -153,6 +153,44 @@ class LlamaModel:
 
     __call__ = forward
 
+    @torch.inference_mode()
+    def decode_padded(self, ids: torch.Tensor, pos: torch.Tensor, table: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """One decode token of one sequence with static shapes, for a CUDA graph; float32 logits [1, vocab].
+
+        ids, pos: one-element long tensors on the device (the token, its position); table: a long tensor
+        of block ids padded to a fixed length (its entries past the sequence's blocks are any valid block
+        ids: the positions they hold are masked). Writes the token's K/V into its slot as forward() does
+        and attends over positions 0..pos of the padded context. Attention is two batched matmuls per KV
+        head group (no repeated K/V) with a float32 softmax: the same result for the same (context,
+        padding) on every call, close to forward()'s kernel but not its bit pattern.
+        """
+        c = self.cfg
+        tpb = kv.shape[3]
+        ctx = table.numel() * tpb
+        group = c.n_heads // c.n_kv_heads
+        slot_block, slot = table[pos // tpb], pos % tpb
+        cos, sin = self._rope(pos)
+        keep = torch.arange(ctx, device=self.device) <= pos
+        bias = torch.zeros(ctx, dtype=torch.float32, device=self.device).masked_fill(~keep, float("-inf"))
+        scale = c.head_dim**-0.5
+        x = self.embed[ids]
+        for i, lay in enumerate(self.layers):
+            h = self._rms_norm(x, lay.attn_norm)
+            q, k, v = F.linear(h, lay.wqkv).split(
+                [c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim], dim=-1)
+            q = _apply_rope(q.view(1, c.n_heads, c.head_dim), cos, sin)
+            kv[:, i, 0][slot_block, slot] = _apply_rope(k.view(1, c.n_kv_heads, c.head_dim), cos, sin)
+            kv[:, i, 1][slot_block, slot] = v.view(1, c.n_kv_heads, c.head_dim)
+            keys = kv[table, i, 0].view(ctx, c.n_kv_heads, c.head_dim)  # gathered: [ctx, H_kv, D]
+            values = kv[table, i, 1].view(ctx, c.n_kv_heads, c.head_dim)
+            scores = torch.matmul(q.view(c.n_kv_heads, group, c.head_dim), keys.permute(1, 2, 0))
+            probs = torch.softmax(scores.float() * scale + bias, dim=-1).to(x.dtype)  # [H_kv, group, ctx]
+            attn = torch.matmul(probs, values.permute(1, 0, 2))  # [H_kv, group, D]
+            x = x + F.linear(attn.reshape(1, -1), lay.wo)
+            gate, up = F.linear(self._rms_norm(x, lay.mlp_norm), lay.w_gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, lay.w_down)
+        return F.linear(self._rms_norm(x, self.final_norm), self.lm_head).float()
+
     @staticmethod
     def sample(logits_row: torch.Tensor, temperature: float, generator: torch.Generator | None = None) -> int:
         """Greedy (argmax) at temperature 0, else a draw from softmax(logits / temperature)."""

@@ -67,3 +67,38 @@ def test_prefix_loaded_from_a_tier_matches_compute_bit_for_bit(model: str, dtype
             # prompt vs the tail after a loaded prefix), so a random-weight model's near-tied greedy tokens
             # may differ; the bar on a GPU (DESIGN section 6) is the KV bytes, bit for bit.
             assert kv_bytes(b, ids) == expected
+
+
+def test_decode_graph_replays_the_static_step_exactly_and_tracks_the_eager_forward() -> None:
+    """Scenario: the 1B shape in bf16 on a GPU, a prefix of 1000 tokens in a shuffled block table. The
+    decode step replayed from its CUDA graph gives exactly the logits of the same static-shape step run
+    eagerly (same kernels), close to forward()'s (another attention kernel: bf16 rounding); an engine
+    built with graphs decodes through them and returns every requested token."""
+    from model_runner.config import PRESETS
+    from model_runner.decode_graphs import DecodeGraphs
+    from model_runner.kv_pool import PagedKVPool
+    from model_runner.model import LlamaModel
+
+    cfg = PRESETS["1b"]
+    model = LlamaModel(cfg, dtype=torch.bfloat16, device="cuda")
+    with PagedKVPool(cfg, 80, TPB, torch.bfloat16, "cuda") as pool:
+        table = random.Random(3).sample(range(80), 80)
+        model.forward(prompt(5, 1000), 0, table, pool.kv)
+        graphs = DecodeGraphs(model, pool.kv, 80)
+        assert graphs.buckets == [1, 2, 4, 8, 16, 32, 64, 128]
+        for pos in (1000, 1001, 1023):
+            got = graphs.decode(42, pos, table).clone()
+            nb = graphs.bucket(pos // TPB + 1)
+            padded = torch.tensor(table[: pos // TPB + 1] + [0] * (nb - pos // TPB - 1), device="cuda")
+            static = model.decode_padded(torch.tensor([42], device="cuda"), torch.tensor([pos], device="cuda"),
+                                         padded, pool.kv)
+            assert torch.equal(got, static)
+            ref = model.forward([42], pos, table, pool.kv, last_only=True)
+            assert float((got - ref).abs().max()) < 0.1 * float(ref.std())
+    with Engine(EngineConfig(model="tiny", dtype="bfloat16", device="cuda", num_gpu_blocks=64)) as e:
+        assert e.decode_graphs is not None
+        r = e.submit(GenerationRequest(prompt(9, 100), max_tokens=40)).result(timeout=120)
+        assert len(r.output_ids) == 40 and r.finish_reason == "length"
+    with Engine(EngineConfig(model="tiny", dtype="bfloat16", device="cuda", num_gpu_blocks=64,
+                             cuda_graphs=False)) as e:
+        assert e.decode_graphs is None

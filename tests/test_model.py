@@ -108,6 +108,35 @@ def test_prefix_blocks_moved_to_other_block_ids_continue_identically(model: Llam
     assert greedy(model, pool.kv, table, logits, len(PROMPT)) == tokens_ref
 
 
+@pytest.mark.parametrize("pad", [0, 5], ids=["exact-table", "padded-table"])
+def test_static_shape_decode_matches_forward_and_writes_the_same_kv(model: LlamaModel, pool: PagedKVPool,
+                                                                   pad: int) -> None:
+    """Scenario: the prompt is prefilled, then 20 greedy tokens are decoded twice from the same prefix: with
+    forward() and with decode_padded (the CUDA-graph body: one-element tensors, a block table padded with
+    ids of other blocks). The logits agree to float32 rounding, the greedy tokens are the same, and so do the
+    decoded tokens' K/V written into the pool (to rounding: the attention's reduction order differs)."""
+    n_blocks = blocks_for(len(PROMPT) + DECODE_STEPS)
+    ref_table, table = list(range(n_blocks)), list(range(n_blocks, 2 * n_blocks))
+    tokens = []
+    for tb in (ref_table, table):
+        logits = model.forward(PROMPT, 0, tb, pool.kv)
+        tokens.append([model.sample(logits[-1], 0.0)])
+    padded = torch.tensor(table + [0] * pad + [63] * pad, dtype=torch.long)
+    pos = len(PROMPT)
+    for _ in range(DECODE_STEPS - 1):
+        ref = model.forward([tokens[0][-1]], pos, ref_table, pool.kv)
+        got = model.decode_padded(torch.tensor([tokens[1][-1]]), torch.tensor([pos]), padded, pool.kv)
+        assert got.shape == (1, CFG.vocab)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        tokens[0].append(model.sample(ref[-1], 0.0))
+        tokens[1].append(model.sample(got[-1], 0.0))
+        pos += 1
+    assert tokens[0] == tokens[1]
+    full = (pos // TPB) * TPB  # blocks fully written by now
+    for i in range(full // TPB):
+        torch.testing.assert_close(pool.kv[table[i]], pool.kv[ref_table[i]], atol=1e-5, rtol=1e-5)
+
+
 def test_same_seed_gives_bit_identical_logits_and_another_seed_does_not(model: LlamaModel, pool: PagedKVPool) -> None:
     """Scenario: a second model built with the same seed gives bit-identical logits and the same weights_id;
     a model with another seed gives different logits and a different weights_id."""
