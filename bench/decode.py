@@ -7,7 +7,7 @@ One decode token of one sequence over a prefix of `context` tokens in the paged 
 shape), as the engine runs it, including the greedy sample's sync:
 - `eager`: LlamaModel.forward of the one token (every kernel launched from Python);
 - `graph`: DecodeGraphs.decode (one CUDA graph replay per step, the engine's default on a GPU);
-- each also beside a busy Python thread in the same process (`+gil`: what the engine's KVClient and
+- with --gil, each also beside a busy Python thread in the same process (`+gil`: what the engine's KVClient and
   prefetch threads can cost a loop thread that needs the GIL for every launch).
 The floor is the time to read the bytes a step must read once (the weights, and K/V of the context)
 at the device's copy bandwidth measured in the same run (best of a sweep of device-to-device copy sizes).
@@ -87,10 +87,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="8b", choices=sorted(PRESETS))
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192, 16384])
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--tokens-per-block", type=int, default=16)
+    ap.add_argument("--gil", action="store_true", help="also time each path beside a busy Python thread")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+
+    def progress(what: str) -> None:
+        print(f"[{time.perf_counter() - t_start:6.1f} s] {what}", file=sys.stderr, flush=True)
+
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -98,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     tpb = args.tokens_per_block
     n_blocks = -(-max(args.contexts) // tpb) + 2
     model = LlamaModel(cfg, dtype=torch.bfloat16, device="cuda")
+    progress("model built")
     dev = model.device
     rows = []
     with PagedKVPool(cfg, n_blocks, tpb, torch.bfloat16, "cuda") as pool:
@@ -106,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         graphs = DecodeGraphs(model, kv, n_blocks)
         capture_s = time.perf_counter() - t0
+        progress(f"{len(graphs.buckets)} graphs captured")
         bw = copy_bandwidth(dev)
+        progress(f"copy bandwidth {bw / 1e9:.0f} GB/s")
         weight_bytes = sum(t.numel() * t.element_size() for t in
                            [model.lm_head] + [w for lay in model.layers
                                               for w in (lay.wqkv, lay.wo, lay.w_gate_up, lay.w_down)])
@@ -123,8 +132,11 @@ def main(argv: list[str] | None = None) -> int:
             row = {"context": ctx, "bucket_blocks": graphs.bucket(ctx // tpb + 1), "floor_ms": floor * 1e3}
             for name, fn in (("eager", eager), ("graph", graph)):
                 row[f"{name}_ms"] = step_times(fn, args.steps) * 1e3
-                with BusyThread():
-                    row[f"{name}_gil_ms"] = step_times(fn, args.steps) * 1e3
+                progress(f"context {ctx}: {name} {row[f'{name}_ms']:.2f} ms")
+                if args.gil:
+                    with BusyThread():
+                        row[f"{name}_gil_ms"] = step_times(fn, min(args.steps, 10)) * 1e3
+                    progress(f"context {ctx}: {name} beside a busy thread {row[f'{name}_gil_ms']:.2f} ms")
             got = graphs.decode(7, ctx, table).clone()
             ref = model.forward([7], ctx, table, kv, last_only=True)
             row["max_abs_diff_vs_eager"] = float((got - ref).abs().max())
@@ -140,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"| {r['context']} | {r['bucket_blocks']} | {r['floor_ms']:.2f} | {r['eager_ms']:.2f} | "
               f"{r['graph_ms']:.2f} | {r['floor_ms'] / r['graph_ms']:.2f} | {r['eager_ms'] / r['graph_ms']:.1f} | "
-              f"{r['eager_gil_ms']:.2f} | {r['graph_gil_ms']:.2f} | {r['max_abs_diff_vs_eager']:.3f} "
+              f"{r.get('eager_gil_ms', float('nan')):.2f} | {r.get('graph_gil_ms', float('nan')):.2f} | "
+              f"{r['max_abs_diff_vs_eager']:.3f} "
               f"({r['logit_std']:.2f}) |")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
