@@ -308,7 +308,7 @@ class Engine:
             request_id=seq.req.request_id, prompt_tokens=seq.prompt_len, output_ids=list(seq.output),
             cached_tokens=seq.reused_blocks * self.cfg.tokens_per_block, cached_by_tier=dict(seq.cached_by_tier),
             ttft_s=seq.t_first - seq.t_submit, total_s=time.monotonic() - seq.t_submit,
-            kv_source=seq.kv_source, finish_reason=reason)
+            kv_source=seq.kv_source, finish_reason=reason, timings=_timings(seq))
         self.metrics.requests.labels(seq.kv_source, reason).inc()
         seq.handle._finish(result)
 
@@ -320,3 +320,20 @@ class Engine:
             if seq.phase is not Phase.DONE:
                 s.drop(seq)
             seq.handle._fail(exc)
+
+
+def _timings(seq: Seq) -> dict[str, float | int | str]:
+    """GenerationResult.timings of a finished request."""
+    ms = 1e3
+    admit = seq.t_admit or seq.t_run
+    out: dict[str, float | int | str] = {}
+    if admit:
+        out["queued"] = round((admit - seq.t_submit) * ms, 2)
+        out["loading"] = round((seq.t_run - admit) * ms, 2) if seq.t_run else 0.0
+    if seq.t_first and seq.t_run:
+        out["to_first"] = round((seq.t_first - seq.t_run) * ms, 2)
+    plan = {"load_host": 0, "load_disk": 0, "staged": 0, "plan": ""}
+    plan.update(seq.plan)
+    out.update(plan)
+    return out
+

@@ -12,7 +12,7 @@ first, as Llama-style servers do; a token-id prompt is taken as given.
 
 Extensions beyond OpenAI's fields: request `kv_cache_ttl_seconds` (retain the prompt's KV on the
 service that long), `stop_token_ids`, `ignore_eos`; response `kv_cache` (cached tokens per tier,
-kv_source, ttft_ms) and, on completions, `token_ids`.
+kv_source, ttft_ms, total_ms, timings: where the request's time went inside the engine) and, on completions, `token_ids`.
 """
 
 from __future__ import annotations
@@ -254,7 +254,7 @@ class StopStrings:
 def kv_cache_ext(r: GenerationResult) -> dict:
     tiers = {t: int(r.cached_by_tier.get(t, 0)) for t in ("gpu", "host", "disk")}
     return {"cached_tokens_by_tier": tiers, "kv_source": r.kv_source,
-            "ttft_ms": round(r.ttft_s * 1e3, 3), "total_ms": round(r.total_s * 1e3, 3)}
+            "ttft_ms": round(r.ttft_s * 1e3, 3), "total_ms": round(r.total_s * 1e3, 3), "timings": r.timings}
 
 
 def usage(r: GenerationResult, completion_tokens: int | None = None) -> dict:

@@ -47,6 +47,11 @@ class GenerationResult:
     total_s: float
     kv_source: str  # "none" | "gpu" | "loaded" | "recomputed:" + "cheaper" | "load-failed" | "service-down"
     finish_reason: str  # "length" | "stop" (a stop id) | "abort" (cancelled)
+    # Where its time went (ms, from submit): queued (until admitted), loading (admitted -> its Load landed,
+    # 0 without one), to_first (admitted or landed -> first token: its prefill and what ran beside it);
+    # and what admission planned: load_host / load_disk blocks (by the answer it planned from),
+    # staged (blocks its prefetch had staged by then), plan (the cost model's reason, "" if no plan).
+    timings: dict[str, float | int | str] = field(default_factory=dict)
 
 
 Listener = Callable[[int | None, GenerationResult | None, BaseException | None], None]
@@ -156,4 +161,7 @@ class Seq:
     stored_blocks: int = 0  # leading full blocks already written through
     output: list[int] = field(default_factory=list)
     t_first: float = 0.0
+    t_admit: float = 0.0  # left the queue (parked or running)
+    t_run: float = 0.0  # started running (after its Load landed, if it had one)
+    plan: dict[str, int | str] = field(default_factory=dict)  # load_host, load_disk, staged, plan
     generator: torch.Generator | None = None

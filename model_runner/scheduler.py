@@ -400,12 +400,17 @@ class Scheduler:
             self.radix.release(hits)
             return False
         m = len(hits)
+        seq.t_admit = time.monotonic()
         seq.table = [n.block for n in hits] + own
         seq.held, seq.private = list(hits), set(own)
         seq.reused_blocks = m
         seq.cached_by_tier["gpu"] = m * self.tpb
         seq.kv_source = "gpu" if m else "none"
+        job = seq.prefetch_job
+        staged = job.staged if job is not None else 0
         k, tiers = self._plan_load(seq, hashes[m:])
+        seq.plan.update(load_host=sum(1 for t in tiers[:k] if t == kvcache_pb2.TIER_HOST),
+                        load_disk=sum(1 for t in tiers[:k] if t == kvcache_pb2.TIER_DISK), staged=staged)
         seq.planned_prefill = seq.prompt_len - (m + k) * self.tpb
         if k == 0:
             self._run(seq)
@@ -475,12 +480,14 @@ class Scheduler:
         else:
             k, reason = self.cost.plan(tiers, self.block_bytes, self.tpb, seq.reused_blocks * self.tpb)
         self.metrics.decisions.labels(reason).inc()
+        seq.plan["plan"] = reason
         if k == 0:
             seq.kv_source = "recomputed:cheaper"
         return k, tiers
 
     def _run(self, seq: Seq) -> None:
         seq.phase = Phase.RUNNING
+        seq.t_run = time.monotonic()
         seq.n_cached = seq.reused_blocks * self.tpb
         # With a TTL, every block of the request is (re)stored so the daemon retains it.
         seq.stored_blocks = 0 if seq.req.kv_cache_ttl_seconds > 0 else seq.reused_blocks

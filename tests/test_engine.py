@@ -141,6 +141,11 @@ def test_disk_tier_load_gives_the_same_tokens(daemon: Daemon, engines: Callable[
     assert r.kv_source == "loaded" and r.cached_tokens == 7 * TPB
     assert r.cached_by_tier["disk"] > 0 and r.cached_by_tier["gpu"] == 0
     assert r.output_ids == reference(ids)
+    # Where its time went: admitted, parked on a Load of the 7 stored blocks planned from disk, then run.
+    t = r.timings
+    assert t["plan"] == "load" and t["load_disk"] + t["load_host"] == 7 and t["load_disk"] > 0
+    assert t["queued"] >= 0 and t["loading"] > 0 and t["to_first"] > 0
+    assert t["queued"] + t["loading"] + t["to_first"] == pytest.approx(r.ttft_s * 1e3, abs=0.1)
 
 
 def test_policy_never_recomputes_with_the_same_tokens(shared: Daemon, engines: Callable[..., Engine]) -> None:

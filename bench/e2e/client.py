@@ -21,12 +21,13 @@ class Reply:
     by_tier: dict[str, int] = field(default_factory=dict)
     kv_source: str = ""
     engine_ttft_ms: float | None = None
+    timings: dict = field(default_factory=dict)  # the engine's kv_cache.timings: queued, loading, to_first, plan
 
     def record(self, **kw: object) -> dict:
         return {"ok": self.ok, "error": self.error, "ttft_ms": self.ttft_ms, "total_ms": self.total_ms,
                 "engine_ttft_ms": self.engine_ttft_ms, "prompt_tokens": self.prompt_tokens,
                 "output_tokens": len(self.output_ids), "cached_tokens": self.cached_tokens, "by_tier": self.by_tier,
-                "kv_source": self.kv_source, **kw}
+                "kv_source": self.kv_source, "timings": self.timings, **kw}
 
 
 def host_port(url: str) -> tuple[str, int]:
@@ -81,6 +82,7 @@ def complete(url: str, prompt: list[int], max_tokens: int, timeout: float) -> Re
         rep.by_tier = {k: int(v) for k, v in (kv.get("cached_tokens_by_tier") or {}).items()}
         rep.kv_source = kv.get("kv_source", "")
         rep.engine_ttft_ms = kv.get("ttft_ms")
+        rep.timings = dict(kv.get("timings") or {})
         if rep.ttft_ms is None:
             rep.error = "no visible text streamed"
             return rep

@@ -291,6 +291,29 @@ def render_md(results: dict) -> str:
                          f"{dd.get('prefetch_staged', '-')} / {dd.get('prefetch_used', '-')} / "
                          f"{dd.get('prefetch_wasted', '-')} | {fmt(bw / 1e9 if bw else None, 2)}, "
                          f"{fmt(em.get('model_runner_prefill_tokens_per_second'), 0)} |")
+            L.append("\nThe same pairs inside the engine (means; ms from kv_cache.timings): queued until admitted, "
+                     "admitted until its Load landed, then to the first token; blocks admission planned to load "
+                     "by tier, and staged by its prefetch by then:\n")
+            L.append("| configuration | queued | loading | to first token | planned host / disk blocks | staged | plans |")
+            L.append("| --- | ---: | ---: | ---: | --- | ---: | --- |")
+            for n in ("disk_p4", "disk_p0"):
+                if n not in cfg:
+                    continue
+                det = [x["timings"] for x in cfg[n]["requests_detail"]
+                       if x.get("ok") and (x["user"], x["round"]) in keys and x.get("timings")]
+                if not det:
+                    continue
+
+                def mean(k: str) -> float:
+                    return sum(float(t.get(k, 0)) for t in det) / len(det)
+
+                plans: dict[str, int] = {}
+                for t in det:
+                    plans[str(t.get("plan") or "none")] = plans.get(str(t.get("plan") or "none"), 0) + 1
+                L.append(f"| {cfg[n]['label']} | {mean('queued'):.0f} | {mean('loading'):.0f} | {mean('to_first'):.0f} | "
+                         f"{sum(int(t.get('load_host', 0)) for t in det)} / {sum(int(t.get('load_disk', 0)) for t in det)} | "
+                         f"{sum(int(t.get('staged', 0)) for t in det)} | "
+                         + ", ".join(f"{k}: {v}" for k, v in sorted(plans.items())) + " |")
         cpu_rows = []
         for n in names:
             em = cfg[n].get("engine_metrics", {})
