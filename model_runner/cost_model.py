@@ -266,6 +266,11 @@ class CostModel:
             latency = max(latency, f.latency_s)
         return latency + byte_s
 
+    def recompute_seconds(self, n_tokens: int, ctx: int) -> float | None:
+        """Expected seconds to prefill n_tokens on top of ctx cached ones (None before any prefill)."""
+        fps = self.flops_per_s
+        return self._flops(n_tokens, ctx) / fps if fps else None
+
     # --- the decision
     def plan(self, tiers: Sequence[int], block_bytes: int, tokens_per_block: int, ctx: int) -> Plan:
         """How many leading blocks of a stored prefix (tier of each given) to load.

@@ -17,7 +17,9 @@ stacking sequences into one kernel. On a GPU in half precision a decode step rep
 
 kv_source of a result: "none" (nothing cached), "gpu" (GPU-tier hit only), "loaded" (blocks
 loaded from the service), or "recomputed:<why>" for a prefix the service could not usefully
-serve: "cheaper" (recomputing was estimated faster), "load-failed", "service-down". With
+serve: "cheaper" (recomputing was estimated faster), "unstaged" (a prefetched request's prefix was on disk
+past what its prefetch staged: disk blocks reach the GPU through staging only), "load-failed",
+"service-down". With
 load_policy "never" the service is not consulted for loads at all (so "none" or "gpu").
 stop_ids end generation; the stop token itself is not part of output_ids (nor is EOS implied: the
 HTTP front adds it). Output tokens are sampled among ByteTokenizer.output_ids() only.

@@ -4,7 +4,7 @@ both import from here and not from each other.
 
 kv_source of a result: "none" (nothing cached), "gpu" (GPU-tier hit only), "loaded" (blocks
 loaded from the service), or "recomputed:<why>" for a prefix the service could not usefully
-serve: "cheaper" (recomputing was estimated faster), "load-failed", "service-down".
+serve: "cheaper" (recomputing was estimated faster), "unstaged" (disk blocks past what its prefetch staged), "load-failed", "service-down".
 """
 
 from __future__ import annotations
@@ -45,12 +45,14 @@ class GenerationResult:
     cached_by_tier: dict[str, int]  # {"gpu": n, "host": n, "disk": n}
     ttft_s: float
     total_s: float
-    kv_source: str  # "none" | "gpu" | "loaded" | "recomputed:" + "cheaper" | "load-failed" | "service-down"
+    kv_source: str  # "none" | "gpu" | "loaded" | "recomputed:" + "cheaper" | "unstaged" | "load-failed" | "service-down"
     finish_reason: str  # "length" | "stop" (a stop id) | "abort" (cancelled)
     # Where its time went (ms, from submit): queued (until admitted), loading (admitted -> its Load landed,
     # 0 without one), to_first (admitted or landed -> first token: its prefill and what ran beside it);
     # and what admission planned: load_host / load_disk blocks (by the answer it planned from),
-    # staged (blocks its prefetch had staged by then), plan (the cost model's reason, "" if no plan).
+    # staged (blocks its prefetch had staged by then), plan (the cost model's reason, "" if no plan), unstaged
+    # (disk blocks past its staged prefix, recomputed), est_load_all_ms / est_recompute_all_ms / disk_fit (what
+    # the cost model expected of loading vs recomputing the whole stored prefix).
     timings: dict[str, float | int | str] = field(default_factory=dict)
 
 
@@ -163,5 +165,5 @@ class Seq:
     t_first: float = 0.0
     t_admit: float = 0.0  # left the queue (parked or running)
     t_run: float = 0.0  # started running (after its Load landed, if it had one)
-    plan: dict[str, int | str] = field(default_factory=dict)  # load_host, load_disk, staged, plan
+    plan: dict[str, int | float | str] = field(default_factory=dict)  # load_host, load_disk, staged, plan, ...
     generator: torch.Generator | None = None

@@ -19,8 +19,8 @@ Per loop iteration the engine calls:
                   head first in chunks, off the loop thread (a Lookup's
                   answer starts one itself while fewer than N are staging: no wait for the model step);
                   at admission the job's staged prefix counts as host-resident (laid over the Lookup, which
-                  a stale answer asks again), so the request loads that from host memory and the cost model
-                  decides about the rest; the
+                  a stale answer asks again), so the request loads that from host memory and recomputes
+                  its disk blocks past it (no disk read on the path of a prefetched request); the
                   jobs' disk read rate feeds the cost model's disk estimate (no disk load needed to learn it)
   poll_parked()   parked -> running once the Load finished; recompute from the first block not loaded
   join_landing()  before a step with a long prefill, wait (briefly) for a parked Load expected to land
@@ -471,6 +471,22 @@ class Scheduler:
             seq.kv_source = "recomputed:service-down"
             return 0, []
         stored, tiers = self._stored(seq, rest)
+        if stored and seq.prefetch_job is not None and self.cfg.load_policy == "auto":
+            # A prefetched request's disk blocks reach the GPU through its staging only (SGLang HiCache's
+            # best_effort prefetch): what was staged while it queued loads from host memory, the rest past
+            # the first unstaged disk block is recomputed. A disk read on the request's path would hold its
+            # GPU blocks -- a third of this engine's GPU tier for a 16k history -- for the whole read, behind
+            # the staging reads of the requests queued after it (H200, 8B: 944 disk blocks took 3.0 s
+            # against 0.65 s of prefill, and the queue behind it never drained).
+            host = next((i for i, t in enumerate(tiers[:stored]) if t == kvcache_pb2.TIER_DISK), stored)
+            if host < stored:
+                seq.plan["unstaged"] = stored - host
+                stored, tiers = host, tiers[:host]
+                if stored == 0:
+                    self.metrics.decisions.labels("unstaged").inc()
+                    seq.plan["plan"] = "unstaged"
+                    seq.kv_source = "recomputed:unstaged"
+                    return 0, tiers
         if stored == 0:
             if not client.attached:
                 seq.kv_source = "recomputed:service-down"
@@ -481,6 +497,16 @@ class Scheduler:
             k, reason = self.cost.plan(tiers, self.block_bytes, self.tpb, seq.reused_blocks * self.tpb)
         self.metrics.decisions.labels(reason).inc()
         seq.plan["plan"] = reason
+        # What the model believed, for the record (timings): the whole stored prefix loaded vs recomputed.
+        est = self.cost.estimate(tiers[:stored], self.block_bytes)
+        rec = self.cost.recompute_seconds(stored * self.tpb, seq.reused_blocks * self.tpb)
+        if est is not None:
+            seq.plan["est_load_all_ms"] = round(est * 1e3, 1)
+        if rec is not None:
+            seq.plan["est_recompute_all_ms"] = round(rec * 1e3, 1)
+        disk = self.cost.fit(kvcache_pb2.TIER_DISK)
+        if disk is not None:
+            seq.plan["disk_fit"] = f"{disk.latency_s * 1e3:.0f} ms + {disk.bytes_per_s / 1e9:.2f} GB/s"
         if k == 0:
             seq.kv_source = "recomputed:cheaper"
         return k, tiers

@@ -488,6 +488,48 @@ def test_admission_counts_a_prefetch_jobs_staged_prefix_as_host_without_asking_a
         b.stop()
 
 
+@pytest.mark.parametrize("daemon", [{"host_capacity": "64KiB", "env": {"KVSERVICE_PREFETCH_SHARE": "0.25",
+                                                                      "KVSERVICE_PREFETCH_TOTAL_SHARE": "0.25"}}],
+                         indirect=True)
+def test_a_prefetched_request_loads_only_its_staged_prefix_and_recomputes_the_unstaged_disk_rest(
+        daemon: Daemon, engines: Callable[..., Engine]) -> None:
+    """Scenario: as above, but the daemon lets one session's prefetch leases pin 2 of the host tier's 8
+    blocks: the job leases the 2-block head (ALREADY_IN_HOST) and stops at the first block it cannot
+    stage. At admission (load_policy auto) the request loads the 2 host blocks and recomputes the 4 disk
+    blocks past them -- no disk read on its path (SGLang HiCache's best_effort prefetch) -- and its
+    timings say so; the tokens are the reference's."""
+    ids = tokens(80, 6 * TPB + 3)
+    a = engines(daemon.target)
+    run(a, ids)
+    run(a, tokens(81, 8 * TPB + 3), max_tokens=2)
+    a.stop()
+    wait_until(lambda: daemon.stats().counters.spills >= 6, what="spills to disk")
+    c = engines(daemon.target, load_policy="always")
+    assert run(c, ids[: 2 * TPB + 3]).cached_by_tier["disk"] == 2 * TPB  # the head, back in host memory
+    c.stop()
+    b = Engine(EngineConfig(service=daemon.target))
+    try:
+        handle = b.submit(GenerationRequest(list(ids), max_tokens=6))
+        s = b.sched
+        while b._inbox:
+            s.enqueue(b._inbox.popleft())
+        seq = s.waiting[0]
+        assert seq.lookup is not None
+        _, tiers = seq.lookup.result(timeout=10)
+        assert tiers == [kvcache_pb2.TIER_HOST] * 2 + [kvcache_pb2.TIER_DISK] * 4
+        wait_until(lambda: seq.prefetch_job is not None and seq.prefetch_job.done, what="the prefetch job")
+        assert seq.prefetch_job is not None and seq.prefetch_job.staged == 2
+        s.admit()
+        assert seq.load is not None and seq.load.tiers == [kvcache_pb2.TIER_HOST] * 2
+        b.start()
+        r = handle.result(timeout=60)
+        assert r.kv_source == "loaded" and r.cached_by_tier == {"gpu": 0, "host": 2 * TPB, "disk": 0}
+        assert r.timings["unstaged"] == 4 and r.timings["staged"] == 2 and r.timings["load_disk"] == 0
+        assert r.output_ids == reference(ids)
+    finally:
+        b.stop()
+
+
 def test_a_step_admits_prompts_up_to_the_prefill_budget() -> None:
     """Scenario: three 33-token prompts at once under a 48-token budget: the first step admits two
     (33 < 48, then 66 >= 48), the third stays queued; all three finish with the reference tokens."""

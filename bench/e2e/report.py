@@ -12,7 +12,7 @@ from typing import Any
 from e2e.workload import TPB
 
 MiB, GiB = 1 << 20, 1 << 30
-KV_SOURCES = ["none", "gpu", "loaded", "recomputed:cheaper", "recomputed:load-failed", "recomputed:service-down"]
+KV_SOURCES = ["none", "gpu", "loaded", "recomputed:cheaper", "recomputed:unstaged", "recomputed:load-failed", "recomputed:service-down"]
 MR_ORDER = ["recompute", "host", "disk_p4", "disk_p0"]
 
 
