@@ -13,6 +13,11 @@ no-ops (the same slots, ids and thread hop; checksums 0): what is left is the co
 bookkeeping ("store core", "load core"), measured directly rather than as a difference of two
 noisy timings, as wall time and as the event loop thread's CPU time ("cpu": what the core costs
 the loop, robust against other processes on a busy box). Prints us/block, best of `--rounds`.
+Last, the same Store and Load with each copy replaced by a modeled DMA: a sleep of bytes /
+--dma-gbps in the copy thread (GIL released, as a device copy waits on its stream; one copy at a
+time each way, as through one copy engine): "x dma" is
+that modeled copy time over the call's wall time, a CPU-box proxy of the Store / D2H and Load /
+H2D ratios of bench/gpu_bandwidth.py (what the core leaves un-overlapped with the copies).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import asyncio
 import os
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import replace
 
@@ -42,7 +48,8 @@ def best(fn, rounds: int) -> float:
     return min(out)
 
 
-async def measure(block_bytes: int, batch: int, rounds: int, tmp: str) -> dict[str, float]:
+async def measure(block_bytes: int, batch: int, rounds: int, tmp: str, dma_gbps: float,
+                  copies: bool = True) -> dict[str, float]:
     cfg = replace(Config(), socket_path=os.path.join(tmp, "kv.sock"), host_capacity_bytes=3 * batch * block_bytes,
                   disk_path="", disk_capacity_bytes=0, max_batch_blocks=max(8192, batch), io_backend="posix",
                   prefetch_share=1.0, prefetch_total_share=1.0, pin_lease_seconds=1.0, lease_seconds=1e9)
@@ -86,11 +93,17 @@ async def measure(block_bytes: int, batch: int, rounds: int, tmp: str) -> dict[s
             assert not bad, f"{len(bad)} blocks not {code}: {bad[:3]}"
         return check
 
+    real_gather, real_scatter = mem.gather_into, mem.scatter_from
+    if not copies:  # --no-copies: the real copies' rows are left out (nan)
+        mem.gather_into = lambda block_ids, arena, offsets: [0] * len(block_ids)
+        mem.scatter_from = lambda block_ids, arena, offsets: None
     for _ in range(3):  # warm up: the arena's segments, the copy threads
         await cache.store(sid, new_batch(), ids)
-    await timed("store", new_batch, lambda hs: cache.store(sid, hs, ids), all_ok(1))
+    if copies:
+        await timed("store", new_batch, lambda hs: cache.store(sid, hs, ids), all_ok(1))
     await timed("store_hit", lambda: last[0], lambda hs: cache.store(sid, hs, ids), all_ok(2))
-    await timed("load", lambda: last[0], lambda hs: cache.load(sid, hs, ids), all_ok(1))
+    if copies:
+        await timed("load", lambda: last[0], lambda hs: cache.load(sid, hs, ids), all_ok(1))
 
     async def lookup(hs):
         out = cache.lookup(sid, hs)
@@ -108,20 +121,35 @@ async def measure(block_bytes: int, batch: int, rounds: int, tmp: str) -> dict[s
     clock.advance(2.0)
     cache.reap_sessions()
     # the core alone: the same calls with no-op copies
-    real_gather, real_scatter = mem.gather_into, mem.scatter_from
     mem.gather_into = lambda block_ids, arena, offsets: [0] * len(block_ids)
     mem.scatter_from = lambda block_ids, arena, offsets: None
     await timed("store_core", new_batch, lambda hs: cache.store(sid, hs, ids), all_ok(1))
     await timed("load_core", lambda: last[0], lambda hs: cache.load(sid, hs, ids), all_ok(1))
+
+    d2h, h2d = threading.Lock(), threading.Lock()  # one copy engine each way: copies in flight share it
+
+    def dma(n: int, engine: threading.Lock) -> None:  # a device copy of n blocks: a wait, no GIL
+        with engine:
+            time.sleep(n * block_bytes / (dma_gbps * 1e9))
+
+    mem.gather_into = lambda block_ids, arena, offsets: (dma(len(block_ids), d2h), [0] * len(block_ids))[1]
+    mem.scatter_from = lambda block_ids, arena, offsets: dma(len(block_ids), h2d)
+    await timed("store_dma", new_batch, lambda hs: cache.store(sid, hs, ids), all_ok(1))
+    await timed("load_dma", lambda: last[0], lambda hs: cache.load(sid, hs, ids), all_ok(1))
+    loop_time["dma"] = batch * block_bytes / (dma_gbps * 1e9)
     mem.gather_into, mem.scatter_from = real_gather, real_scatter
-    await cache.store(sid, new_batch(), ids)  # real bytes in the slots the copies below use
-    # the copies themselves, on the same slots and block ids
-    t = cache.tiers
-    d = t.index.namespace(cache._sessions.get(sid).namespace)
-    offsets = [d[last[0][i * 32:(i + 1) * 32]].slot for i in range(batch)]
-    arena = cache.arena
-    loop_time["gather_into"] = best(lambda r: mem.gather_into(ids, arena, offsets), rounds)
-    loop_time["scatter_from"] = best(lambda r: mem.scatter_from(ids, arena, offsets), rounds)
+    if copies:
+        await cache.store(sid, new_batch(), ids)  # real bytes in the slots the copies below use
+        # the copies themselves, on the same slots and block ids
+        t = cache.tiers
+        d = t.index.namespace(cache._sessions.get(sid).namespace)
+        offsets = [d[last[0][i * 32:(i + 1) * 32]].slot for i in range(batch)]
+        arena = cache.arena
+        loop_time["gather_into"] = best(lambda r: mem.gather_into(ids, arena, offsets), rounds)
+        loop_time["scatter_from"] = best(lambda r: mem.scatter_from(ids, arena, offsets), rounds)
+    else:
+        for k in ("store", "load", "gather_into", "scatter_from"):
+            loop_time[k] = float("nan")
     problems = cache.audit()
     assert not problems, problems
     await cache.close_session(sid)
@@ -135,25 +163,29 @@ def main() -> None:
     p.add_argument("--sizes", default="4096,65536")
     p.add_argument("--batches", default="1024,4096")
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--no-copies", action="store_true", help="leave out the rows of the real copies (faster)")
+    p.add_argument("--dma-gbps", type=float, default=55.0, help="the modeled copy's GB/s (H200 pinned D2H/H2D: ~55)")
     a = p.parse_args()
     sizes = [int(x) for x in a.sizes.split(",")]
     batches = [int(x) for x in a.batches.split(",")]
     print("us per block, best of", a.rounds, "rounds; core: the call with no-op copies (same run)")
     print()
     print("| block | batch | gather_into | store | store core | store core cpu | scatter_from | load | load core "
-          "| load core cpu | store_hit | store_hit cpu | lookup | lookup cpu | prefetch | prefetch cpu |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| load core cpu | store_hit | store_hit cpu | lookup | lookup cpu | prefetch | prefetch cpu "
+          "| store x dma | load x dma |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for bb in sizes:
             for n in batches:
-                r = asyncio.run(measure(bb, n, a.rounds, tmp))
+                r = asyncio.run(measure(bb, n, a.rounds, tmp, a.dma_gbps, not a.no_copies))
                 us = {k: v / n * 1e6 for k, v in r.items()}
                 print(f"| {bb // 1024} KiB | {n} | {us['gather_into']:.2f} | {us['store']:.2f} "
                       f"| {us['store_core']:.2f} | {us['store_core_cpu']:.2f} | {us['scatter_from']:.2f} "
                       f"| {us['load']:.2f} | {us['load_core']:.2f} | {us['load_core_cpu']:.2f} "
                       f"| {us['store_hit']:.2f} | {us['store_hit_cpu']:.2f} | {us['lookup']:.2f} "
                       f"| {us['lookup_cpu']:.2f} | {us['prefetch']:.2f} "
-                      f"| {us['prefetch_cpu']:.2f} |", flush=True)
+                      f"| {us['prefetch_cpu']:.2f} | {r['dma'] / r['store_dma']:.2f} "
+                      f"| {r['dma'] / r['load_dma']:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

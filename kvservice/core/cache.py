@@ -21,6 +21,7 @@ import gc
 import logging
 import operator
 import os
+import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -79,6 +80,7 @@ class BlockCache:
     async def start(self) -> int:
         """Open the I/O backend, recover the disk tier, start the writers. Returns blocks recovered."""
         _tune_gc()
+        _tune_switch_interval()
         io = self._io if self._io is not None else open_backend(self.config.io_backend)
         self._io = throttled(io, self.config.disk_read_bytes_per_second, self.config.disk_write_bytes_per_second)
         # the host tier's memory, all of it, now: pinned where engines copy over PCIe
@@ -229,8 +231,21 @@ class BlockCache:
         return hs
 
     def _block_ids(self, s: Session, n: int, block_ids: Sequence[int]) -> list[int]:
-        """Engine block ids, one per hash, inside the session's pool, none twice."""
-        ids = list(block_ids)
+        """Engine block ids, one per hash, inside the session's pool, none twice. A large batch is
+        checked with numpy (range, and duplicates by marking a table of the pool's blocks)."""
+        if n >= _NUMPY_IDS and len(block_ids) == n:
+            try:
+                a = np.asarray(block_ids)
+            except (OverflowError, ValueError, TypeError):
+                a = None
+            if a is not None and a.ndim == 1 and a.dtype.kind in "iu":
+                pool_blocks = s.pool.num_blocks
+                if int(a.min()) >= 0 and int(a.max()) < pool_blocks:
+                    mark = np.zeros(pool_blocks, dtype=np.bool_)
+                    mark[a] = True
+                    if int(np.count_nonzero(mark)) == n:
+                        return a.tolist()
+        ids = list(block_ids)  # small batches, and any batch the checks above refused: say why
         if len(ids) != n:
             raise CacheError(ErrorCode.INVALID_ARGUMENT,
                              f"{len(ids)} block_ids for {n} hashes: block_ids must name one engine block per hash")
@@ -280,14 +295,16 @@ class BlockCache:
             new_hashes = [hs[i] for i in new_pos]
         del found
         dups: list[int] = []
-        if len(set(new_hashes)) < len(new_hashes):  # a hash twice in one batch: its first place stores it
+        entries = life.reserve(blocks, ns, new_hashes, size, now)
+        if entries is None:  # a hash twice in one batch (nothing reserved): its first place stores it
             first: dict[bytes, int] = {}
             for i in new_pos:
                 first.setdefault(hs[i], i)
             dups = [i for i in new_pos if first[hs[i]] != i]
             new_pos = [i for i in new_pos if first[hs[i]] == i]
             new_hashes = [hs[i] for i in new_pos]
-        entries = life.reserve(blocks, ns, new_hashes, size, now)
+            entries = life.reserve(blocks, ns, new_hashes, size, now)
+            assert entries is not None
         touched.extend((i, blocks[hs[i]]) for i in dups)
         try:
             pending = await self._store_hits(touched, ttl, now, results) if touched else []
@@ -375,22 +392,22 @@ class BlockCache:
         wait for the spills that make the room, take slots (placed on the reserved entries), copy
         the engine's blocks straight into them, commit. Cancelled or failed before the commit, the
         reservations are rolled back; their slots go once the copy thread is done with them.
-        A chunk of more than 2 x PIPELINE_BLOCKS is planned and copied in parts of PIPELINE_BLOCKS,
-        the plan of a part beside the copy of the one before (at most PIPELINE_DEPTH copies in
-        flight): the bookkeeping of a large Store runs while the copy thread waits on the device.
+        A chunk of more than 2 x PIPELINE_BLOCKS is planned and copied in parts (_parts: growing
+        from PIPELINE_FIRST to PIPELINE_BLOCKS), the plan of a part beside the copy of the one
+        before (at most PIPELINE_DEPTH copies in flight): the bookkeeping of a large Store runs
+        while the copy thread waits on the device, and the first copy starts after a short plan.
         Its blocks are still committed together at the end, as one chain."""
         t = self._t
         life = t.life
         n = len(entries)
-        part = PIPELINE_BLOCKS if n > 2 * PIPELINE_BLOCKS else n
         jobs: list[tuple[asyncio.Future, list[Entry]]] = []  # copies started: their futures and blocks
         sums: list[int] = []
         waited = 0  # jobs whose copy was awaited (their checksums are in sums)
         placed_n = 0  # entries[:placed_n] have slots and a copy started
         loop = asyncio.get_running_loop()
         try:
-            for lo in range(0, n, part):
-                want = min(part, n - lo)
+            for lo, hi in _parts(n):
+                want = hi - lo
                 fit, offsets = await self._host_room(s.block_bytes, want, now)
                 if fit < want:  # head first: when only part of the chain fits, keep its prefix
                     self._refuse_rest(s, pos[lo + fit:], entries[lo + fit:], lo + fit, n, now, results)
@@ -402,7 +419,7 @@ class BlockCache:
                     placed_n = lo + fit
                 if fit < want:
                     break
-                while len(jobs) - waited >= PIPELINE_DEPTH or (waited < len(jobs) and lo + part >= n):
+                while len(jobs) - waited >= PIPELINE_DEPTH or (waited < len(jobs) and hi >= n):
                     sums += await asyncio.shield(jobs[waited][0])
                     waited += 1
         except BaseException:
@@ -529,8 +546,13 @@ class BlockCache:
         results = LoadResults(len(hs))
         on_disk_state = DiskState.ON_DISK
         found: list[Entry] = list(map(t.index.namespace(s.namespace).get, hs))
-        missing = [i for i, e in enumerate(found)
-                   if e is None or not e.ready or (e.slot < 0 and e.disk != on_disk_state)]
+        slots: list[int] | None = None  # of the found blocks, when all of them are host hits
+        if found and None not in found and all(map(_ready, found)):
+            slots = list(map(_slot_of, found))
+            if min(slots) < 0:
+                slots = None
+        missing = [] if slots is not None else [
+            i for i, e in enumerate(found) if e is None or not e.ready or (e.slot < 0 and e.disk != on_disk_state)]
         if not missing:  # every block found (the usual Load): no per-block split
             pos: list[int] = list(range(len(hs)))  # positions found
             bids = ids
@@ -545,6 +567,12 @@ class BlockCache:
                 status[i] = LoadStatus.MISSING
             self.stats.bump(s.namespace, "load_misses", len(missing))
         life.pin(found)
+        if slots is not None and len(found) > 2 * PIPELINE_BLOCKS:  # all host hits, many: copied in parts
+            await self._load_host_parts(s, found, bids, slots)
+            self._answer_loaded(results, pos, len(found))
+            self.stats.bump(s.namespace, "loads_host", len(found))
+            self._load_latency.observe(time.perf_counter() - t0)
+            return results
         handed_over = False  # once the scatter runs, its thread drops the pins when it is done
         try:
             host_ids, host_slots, srcs, disk_ids, served, tiers_of, disk_loads = await self._collect_bytes(
@@ -580,6 +608,61 @@ class BlockCache:
         self._load_latency.observe(time.perf_counter() - t0)
         _fail_unanswered(results, LoadStatus.FAILED)
         return results
+
+    async def _load_host_parts(self, s: Session, found: list[Entry], bids: list[int], slots: list[int]) -> None:
+        """Copy pinned host blocks to the engine in parts (_parts), at most PIPELINE_DEPTH copies in
+        flight: each part's bookkeeping (reuse, leases used, its pins) runs beside the next part's
+        copy, the chain's LRU refresh beside the last ones. Every pin is dropped: a part's when its
+        copy has ended (also when the call is cancelled or a copy fails), one never copied at once."""
+        t = self._t
+        life = t.life
+        loop = asyncio.get_running_loop()
+        n = len(found)
+        jobs: list[tuple[asyncio.Future, int, int]] = []
+        done = 0  # jobs[:done] ended and were settled
+        try:
+            for lo, hi in _parts(n):
+                jobs.append((loop.run_in_executor(self._copy_pool, s.memory.scatter_from, bids[lo:hi], t.host.arena,
+                                                  slots[lo:hi]), lo, hi))
+                if hi >= n:  # beside the last copies: head newest, as one chain (a failed copy leaves it
+                    t.host.touch(found)  # refreshed, which is harmless)
+                    if t.disk is not None:
+                        t.disk.touch(found)
+                while len(jobs) - done >= PIPELINE_DEPTH or (done < len(jobs) and hi >= n):
+                    fut, a, b = jobs[done]
+                    await asyncio.shield(fut)
+                    part = found[a:b]
+                    life.loaded(s.id, part)
+                    life.unpin(part)
+                    done += 1
+        except BaseException:
+            for fut, a, b in jobs[done:]:
+                self._unpin_after(fut, found[a:b])
+            life.unpin(found[jobs[-1][2] if jobs else 0:])  # parts never started
+            raise
+
+    def _unpin_after(self, fut: asyncio.Future, entries: list[Entry]) -> None:
+        """Drop the pins of a copy's blocks once the copy thread is done with them (now if it is)."""
+        life = self._t.life
+        if fut.done():
+            if not fut.cancelled():
+                fut.exception()  # retrieved: the call's failure is raised already or superseded
+            life.unpin(entries)
+        else:
+            fut.add_done_callback(lambda f: (f.cancelled() or f.exception(), life.unpin(entries)))
+
+    @staticmethod
+    def _answer_loaded(results: LoadResults, pos: list[int], n: int) -> None:
+        """LOADED from the host tier for the n found blocks at positions pos."""
+        loaded, host = int(LoadStatus.LOADED), int(Tier.HOST)
+        if n == len(results.status):
+            results.status[:] = [loaded] * n
+            results.tier[:] = [host] * n
+        else:
+            status, tiers = results.status, results.tier
+            for i in pos:
+                status[i] = loaded
+                tiers[i] = host
 
     async def _collect_bytes(self, s: Session, pos: list[int], bids: list[int], found: list[Entry],
                              results: LoadResults):
@@ -891,14 +974,28 @@ class BlockCache:
 
 
 _HASH_DTYPE = np.dtype(f"V{HASH_BYTES}")
+_NUMPY_IDS = 256  # block ids checked with numpy from this many on (its fixed cost is a few us)
 # A Store chunk of more than 2 x PIPELINE_BLOCKS blocks is planned and copied in parts of that many,
 # the next part's plan beside the previous part's copy, at most PIPELINE_DEPTH copies in flight.
 # KVSERVICE_STORE_PART_BLOCKS overrides the part size (a benchmark's A/B; a huge value: one part)
 PIPELINE_BLOCKS = max(1, int(os.environ.get("KVSERVICE_STORE_PART_BLOCKS", "2048")))
+PIPELINE_FIRST = 256  # the first part: the first copy starts after a short plan; parts double from it
 PIPELINE_DEPTH = 2
 _ready = operator.attrgetter("ready")
 _slot_of = operator.attrgetter("slot")
 GC_YOUNG_THRESHOLD = 50_000  # allocations between young collections (CPython's default: 700)
+
+
+SWITCH_INTERVAL = float(os.environ.get("KVSERVICE_SWITCH_INTERVAL", "0.0002"))  # seconds
+
+
+def _tune_switch_interval() -> None:
+    """A copy thread woken by its device (a DMA done) needs the GIL back to start the next piece;
+    while the event loop runs a Store's or Load's bookkeeping it would wait up to CPython's
+    default 5 ms switch interval each time, and the copies of a Store or Load in parts (whose
+    point is to overlap that bookkeeping) would stall. 0.2 ms: the loop gives the GIL up soon."""
+    if SWITCH_INTERVAL > 0 and sys.getswitchinterval() > SWITCH_INTERVAL:
+        sys.setswitchinterval(SWITCH_INTERVAL)
 
 
 def _tune_gc() -> None:
@@ -909,6 +1006,21 @@ def _tune_gc() -> None:
     young, mid, old = gc.get_threshold()
     if young and young < GC_YOUNG_THRESHOLD:
         gc.set_threshold(GC_YOUNG_THRESHOLD, max(mid, 20), max(old, 50))
+
+
+def _parts(n: int) -> list[tuple[int, int]]:
+    """The (lo, hi) parts a Store chunk or a Load of n blocks is planned and copied in: one part up
+    to 2 x PIPELINE_BLOCKS; else min(PIPELINE_FIRST, PIPELINE_BLOCKS) blocks first, each part
+    twice the one before up to PIPELINE_BLOCKS."""
+    if n <= 2 * PIPELINE_BLOCKS:
+        return [(0, n)]
+    out: list[tuple[int, int]] = []
+    size, lo = min(PIPELINE_FIRST, PIPELINE_BLOCKS), 0
+    while lo < n:
+        hi = min(n, lo + size)
+        out.append((lo, hi))
+        lo, size = hi, min(2 * size, PIPELINE_BLOCKS)
+    return out
 
 
 def _fail_unanswered(results: StoreResults | LoadResults, failed: int) -> None:

@@ -37,19 +37,20 @@ from __future__ import annotations
 import asyncio
 import heapq
 import operator
+from itertools import repeat
 from collections.abc import Iterable, Sequence
 
 from kvservice.memory.host_tier import HostTier
 from kvservice.ops.stats import CounterSet
-from kvservice.placement.index import BlockIndex, DiskState, Entry
+from kvservice.placement.index import BlockIndex, DiskState, Entry, reserved_entry
 from kvservice.placement.retention import Retention
 from kvservice.core.types import NamespaceId, SessionId
 
 
-_RESERVED_FIELDS = ("namespace", "hash", "size", "checksum", "stored_at", "deadline", "reuse", "slot", "spilling", "staged",
-                    "release_pending", "disk", "disk_path", "disk_loc", "disk_deadline", "pins", "lease_until",
-                    "lease_owner", "ready")
-assert tuple(Entry.__dataclass_fields__) == _RESERVED_FIELDS, "Lifecycle.reserve builds Entry positionally"
+_ENTRY_FIELDS = ("namespace", "hash", "size", "checksum", "stored_at", "deadline", "reuse", "slot", "spilling", "staged",
+                 "release_pending", "disk", "disk_path", "disk_loc", "disk_deadline", "pins", "lease_until",
+                 "lease_owner", "ready")
+assert tuple(Entry.__dataclass_fields__) == _ENTRY_FIELDS, "index.reserved_entry sets every field of Entry"
 _slot_of = operator.attrgetter("slot")
 
 
@@ -91,14 +92,18 @@ class Lifecycle:
 
     # --- reservations (Store)
     def reserve(self, blocks: dict[bytes, Entry], ns: NamespaceId, hashes: Sequence[bytes], size: int,
-                now: float) -> list[Entry]:
+                now: float) -> list[Entry] | None:
         """New entries, not ready, in the namespace's dict `blocks` (a concurrent Store of the same
-        hash sees them); each holds one pin, the reserving call's, until commit or rollback."""
-        none = DiskState.NONE
-        # Entry positional (keywords make a dataclass __init__ much slower): its fields in order
-        entries = [Entry(ns, h, size, 0, now, 0.0, 0, -1, False, False, False, none, "", -1, 0.0, 1, 0.0, "", False)
-                   for h in hashes]
+        hash sees them); each holds one pin, the reserving call's, until commit or rollback. The
+        hashes are not in `blocks`; None (nothing reserved) when one of them is there twice: the
+        dict grew by fewer than len(hashes), which costs nothing to see (no set of the batch)."""
+        entries = list(map(reserved_entry, repeat(ns), hashes, repeat(size), repeat(now)))
+        before = len(blocks)
         blocks.update(zip(hashes, entries))
+        if len(blocks) - before < len(entries):
+            for h in hashes:
+                blocks.pop(h, None)
+            return None
         return entries
 
     def place(self, entries: Sequence[Entry], offsets: Sequence[int]) -> None:
@@ -211,9 +216,10 @@ class Lifecycle:
         else:
             self.release(e)
 
-    def evict_many(self, entries: Sequence[Entry]) -> None:
+    def evict_many(self, entries: Sequence[Entry], plain: bool = False) -> None:
         """RESIDENT -> NONE for a batch of victims (one arena call per block size); a pinned one
-        waits for its last unpin as with evict()."""
+        waits for its last unpin as with evict(). plain: the caller knows them unpinned, resident
+        (in the LRU: a slot, not spilling) and of one size, so they are not checked again."""
         if not entries:
             return
         host = self.host
@@ -221,7 +227,7 @@ class Lifecycle:
         size = entries[0].size
         # the usual batch (victims make_host_room chose): unpinned, resident, one size - checked in
         # one pass, the slots gathered in another; anything else goes one by one through release()
-        odd = [e for e in entries if e.pins or e.spilling or e.slot < 0 or e.size != size]  # staged implies spilling
+        odd = [] if plain else [e for e in entries if e.pins or e.spilling or e.slot < 0 or e.size != size]  # staged implies spilling
         if odd:
             oddset = set(map(id, odd))
             plain = [e for e in entries if id(e) not in oddset]

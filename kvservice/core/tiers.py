@@ -255,7 +255,7 @@ class Tiers:
         # retained victims claim disk room before best-effort ones
         if self.disk is not None and victims and max(map(_deadline_of, victims)) > now:
             victims.sort(key=lambda e: not e.retained(now))
-        spills = self._evict_victims(victims, now)
+        spills = self._evict_victims(victims, now, plain=host.arena.holds_only(block_bytes))
         return fit, spills
 
     def room_after(self, spills: list[Entry], now: float, block_bytes: int = 0, fit: int = 0) -> asyncio.Future | None:
@@ -397,10 +397,11 @@ class Tiers:
         self.life.evict(e, keep_slot=True)
         return True
 
-    def _evict_victims(self, victims: list[Entry], now: float) -> list[Entry]:
+    def _evict_victims(self, victims: list[Entry], now: float, plain: bool = False) -> list[Entry]:
         """_evict_from_host for each victim, in one pass: the ones with a disk copy and the ones
         dropped (no disk tier, or the gate says no) leave the host tier as one batch first (a disk
-        plan of the rest may then forget a released one); the rest are planned one by one."""
+        plan of the rest may then forget a released one); the rest are planned one by one.
+        plain: the victims are unpinned resident blocks of one size (make_host_room's fast path)."""
         no_disk = self.disk is None
         rest: list[Entry] = []
         if no_disk:  # nowhere to spill: every victim is dropped
@@ -425,7 +426,7 @@ class Tiers:
                 self.stats.bump(ns, "drops_no_disk" if no_disk else "drops_gate", k)
             for ns, k in (dropped + _count_namespaces(release) if release else dropped).items():
                 self.stats.bump(ns, "host_evictions", k)
-            self.life.evict_many(release + drop if release else drop)
+            self.life.evict_many(release + drop if release else drop, plain=plain)
             if drop:
                 self.life.forget_many(drop)
         return [e for e in rest if self._evict_from_host(e, now)]

@@ -8,6 +8,7 @@ Tiers keep their own ordering structures (LRU, deadline heap) over the same entr
 from __future__ import annotations
 
 import enum
+import operator
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -72,6 +73,38 @@ class Entry:
         return Tier.NONE
 
 
+_new = object.__new__
+_ready_of = operator.attrgetter("ready")
+_slot_of = operator.attrgetter("slot")
+
+
+def reserved_entry(namespace: NamespaceId, hash: BlockHash, size: int, stored_at: float) -> Entry:
+    """A Store's new entry: not ready, one pin (the reserving call's), no slot. Built field by
+    field on a bare object: the dataclass __init__ with all 19 fields passed costs more (argument
+    binding), and a Store builds one per new block."""
+    e = _new(Entry)
+    e.namespace = namespace
+    e.hash = hash
+    e.size = size
+    e.checksum = 0
+    e.stored_at = stored_at
+    e.deadline = 0.0
+    e.reuse = 0
+    e.slot = -1
+    e.spilling = False
+    e.staged = False
+    e.release_pending = False
+    e.disk = DiskState.NONE
+    e.disk_path = ""
+    e.disk_loc = -1
+    e.disk_deadline = 0.0
+    e.pins = 1
+    e.lease_until = 0.0
+    e.lease_owner = ""
+    e.ready = False
+    return e
+
+
 class BlockIndex:
     """One dict per namespace keyed by the 32-byte hash itself: the hot paths (Lookup, Store, Load)
     look a batch up with one dict.get per hash on slices of the request's packed field, with no
@@ -92,23 +125,31 @@ class BlockIndex:
 
     def prefix_tiers(self, ns: NamespaceId, hashes: Sequence[bytes]) -> list[int]:
         """Tier value (HOST / DISK) of each block of the stored prefix of a chain: stops at the
-        first hash that is not stored (or not ready)."""
+        first hash that is not stored (or not ready). C-level passes over the batch (lookups,
+        readiness, slots); a Python step per block only past the first block not in host memory."""
         d = self._by_ns.get(ns)
         if d is None:
             return []
-        get = d.get
-        on_disk = DiskState.ON_DISK
-        host, disk = int(Tier.HOST), int(Tier.DISK)
-        out: list[int] = []
-        add = out.append
-        for h in hashes:
-            e = get(h)
-            if e is None or not e.ready:
-                break
-            if e.slot >= 0:
-                add(host)
+        found = list(map(d.get, hashes))
+        if None in found:
+            del found[found.index(None):]
+        ready = list(map(_ready_of, found))
+        if False in ready:
+            del found[ready.index(False):]
+        if not found:
+            return []
+        slots = list(map(_slot_of, found))
+        host = int(Tier.HOST)
+        if min(slots) >= 0:
+            return [host] * len(found)
+        k = next(i for i, off in enumerate(slots) if off < 0)
+        out = [host] * k
+        on_disk, disk = DiskState.ON_DISK, int(Tier.DISK)
+        for e, off in zip(found[k:], slots[k:]):
+            if off >= 0:
+                out.append(host)
             elif e.disk == on_disk:
-                add(disk)
+                out.append(disk)
             else:
                 break
         return out

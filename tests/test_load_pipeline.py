@@ -1,0 +1,118 @@
+"""A large Load of host blocks is copied in parts (BlockCache._load_host_parts): each part's
+bookkeeping runs beside the next part's copy. Driven with parts of two blocks:
+  - a Load of 10 blocks goes in 5 copies, every block byte-exact, its reuse counted once, its chain
+    refreshed as one (head newest), nothing left pinned;
+  - cancelled while its second part is copying, it leaves no pin once the copies in flight end,
+    and the blocks load again;
+  - a copy that fails in the second part fails the Load and leaves no pin either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import kvservice.core.cache as cache_mod
+from kvservice.core.types import LoadStatus, StoreStatus
+from kvservice.memory.engine_memory import ShmEngineMemory
+from tests.corekit import BLOCK, Engine, Pool, h, small_config, started_cache
+from tests.test_store_cancellation import Gate, cancelled, until
+
+
+@pytest.fixture
+def parts_of_two(monkeypatch):
+    monkeypatch.setattr(cache_mod, "PIPELINE_BLOCKS", 2)
+    monkeypatch.setattr(cache_mod, "PIPELINE_FIRST", 2)
+
+
+@pytest.fixture
+def scatters(monkeypatch):
+    """Host -> engine copies, counted; each waits at `gate` (open unless a test closes it), and the
+    one numbered `fail_at` (0-based) raises in its copy thread."""
+    gate = Gate()
+    gate.open.set()
+    gate.calls = []
+    gate.fail_at = -1
+    real = ShmEngineMemory.scatter_from
+
+    def scatter(self, block_ids, arena, offsets):
+        k = len(gate.calls)
+        gate.calls.append(list(block_ids))
+        gate.wait()
+        if k == gate.fail_at:
+            raise OSError("engine pool gone")
+        return real(self, block_ids, arena, offsets)
+
+    monkeypatch.setattr(ShmEngineMemory, "scatter_from", scatter)
+    return gate
+
+
+async def test_a_load_in_parts_is_byte_exact_and_refreshes_one_chain(tmp_path, parts_of_two, scatters):
+    cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=32 * BLOCK)
+    async with started_cache(cfg) as cache:
+        pool = Pool(num_blocks=64)
+        eng = Engine(cache, pool)
+        try:
+            assert {r.status for r in await eng.store(list(range(20)))} == {StoreStatus.STORED}
+            scatters.calls.clear()
+            rs = await eng.load(list(range(10)))  # checks the bytes of every LOADED block
+            assert [r.status for r in rs] == [LoadStatus.LOADED] * 10
+            assert [len(c) for c in scatters.calls] == [2] * 5
+            order = [e.hash for e in cache.tiers.host.entries_oldest_first()]
+            assert order[-10:] == [h(i) for i in reversed(range(10))]  # head newest, as one chain
+            d = cache.tiers.index.namespace(cache._sessions.get(eng.sid).namespace)
+            assert [d[h(i)].reuse for i in range(12)] == [1] * 10 + [0] * 2
+            assert cache.counters.loads_host == 10
+            assert cache.audit() == []
+        finally:
+            await cache.close_session(eng.sid)
+            pool.close()
+
+
+async def test_a_load_cancelled_in_its_second_part_leaves_no_pin(tmp_path, parts_of_two, scatters):
+    cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=32 * BLOCK)
+    async with started_cache(cfg) as cache:
+        pool = Pool(num_blocks=64)
+        eng = Engine(cache, pool)
+        try:
+            assert {r.status for r in await eng.store(list(range(10)))} == {StoreStatus.STORED}
+            scatters.calls.clear()
+            scatters.open.clear()
+            task = asyncio.ensure_future(eng.load(list(range(10))))
+            await until(lambda: scatters.inside >= 2, "two parts' copies in flight")
+            assert cache.audit(idle=False) == []
+            await cancelled(task)
+            scatters.open.set()
+            await until(lambda: scatters.inside == 0, "the copies to end")
+            await asyncio.sleep(0.05)  # their done callbacks run on the loop
+            assert cache.audit() == []  # no pin left (idle audit)
+            rs = await eng.load(list(range(10)))
+            assert [r.status for r in rs] == [LoadStatus.LOADED] * 10
+            assert cache.audit() == []
+        finally:
+            scatters.open.set()
+            await cache.close_session(eng.sid)
+            pool.close()
+
+
+async def test_a_copy_failing_in_the_second_part_fails_the_load_and_leaves_no_pin(tmp_path, parts_of_two, scatters):
+    cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=32 * BLOCK)
+    async with started_cache(cfg) as cache:
+        pool = Pool(num_blocks=64)
+        eng = Engine(cache, pool)
+        try:
+            assert {r.status for r in await eng.store(list(range(10)))} == {StoreStatus.STORED}
+            scatters.calls.clear()
+            scatters.fail_at = 1
+            with pytest.raises(OSError, match="engine pool gone"):
+                await eng.load(list(range(10)))
+            await until(lambda: scatters.inside == 0, "the copies to end")
+            await asyncio.sleep(0.05)
+            assert cache.audit() == []
+            scatters.fail_at = -1
+            rs = await eng.load(list(range(10)))
+            assert [r.status for r in rs] == [LoadStatus.LOADED] * 10
+        finally:
+            await cache.close_session(eng.sid)
+            pool.close()
