@@ -154,7 +154,11 @@ def meta(a: argparse.Namespace) -> dict:
 
     gpu = run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]) \
         if shutil.which("nvidia-smi") else "-"
-    commit = run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]) or "-"
+    # A `git archive` of a commit has no .git of its own (git would answer for an enclosing checkout): its
+    # REV file, when present, names the tree that runs.
+    rev = ROOT / "REV"
+    commit = (rev.read_text().strip() if rev.is_file() and not (ROOT / ".git").exists() else
+              run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]) or "-")
     try:
         import importlib.metadata
         torch_v = importlib.metadata.version("torch")
