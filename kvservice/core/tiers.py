@@ -30,7 +30,8 @@ from kvservice.disk import block_file
 from kvservice.ops.config import Config
 from kvservice.disk import FaultKind, aligned_buffer
 from kvservice.disk.batch_io import HostSlots
-from kvservice.disk.store import READ_FANOUT
+from kvservice.disk.slots import slot_class
+from kvservice.disk.store import META_PER_SLOT, READ_FANOUT
 from kvservice.disk.tier_io import BlockWrite, DiskFault, TierIO, remove_v1_blocks
 from kvservice.disk.disk_tier import DiskTier
 from kvservice.placement.eviction import DiskRoom, Victim, admission_gate, plan_disk_eviction
@@ -53,6 +54,11 @@ READ_PARTS = 4  # a large Load's disk read: parts settled one by one (read_batch
 READ_PART_BYTES = 8 << 20  # at least this much per part
 
 
+def _copy_rows(rows: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    for row, src in zip(rows, srcs):
+        row.copy_(src)
+
+
 def _count_namespaces(entries: list[Entry]) -> Counter:
     """Entries per namespace (a batch of one namespace, the usual one, without counting each)."""
     names = set(map(_namespace_of, entries))
@@ -70,6 +76,7 @@ class Tiers:
         self.disk = DiskTier(config.disk_path, config.disk_capacity_bytes) if config.has_disk else None
         self.segments: TierIO | None = None  # disk tier v2 (disk_format "segments"), opened by recover()
         self._writing: set[int] = set()  # segment slots with a write in flight
+        self._budget_sizes: set[int] = set()  # block sizes the disk budget accounts for (_size_budget)
         self._arena_bytes: np.ndarray | None = None  # the arena as numpy (HostSlots' base), made on first use
         self.recovered_sizes: dict[NamespaceId, int] = {}  # recover(): block size of each namespace found on disk
         self.retention = Retention(config.max_ttl_seconds, config.retained_cap_bytes)
@@ -162,8 +169,9 @@ class Tiers:
             writers=self.writer_pool, readers=self.reader_pool, now=self.now, durable=self.io.fsync,
             read_bytes_per_second=c.disk_read_bytes_per_second, write_bytes_per_second=c.disk_write_bytes_per_second))
         store = self.segments.store
-        # the policy's byte budget: what is left after the metadata's fixed part (its per-slot
-        # part is met by evicting a little more when the store asks for it, _reserve_slot)
+        # the policy's byte budget: what is left after the metadata's fixed part, and its
+        # per-slot part for each block size in use (_size_budget); what that misses (mixed slot
+        # classes, a filesystem that filled first) is met by evicting a little more, _reserve_slot
         self.disk.budget_bytes = max(0, store.capacity_bytes - store.metadata_fixed_bytes)
         rec = store.recovered
         rows = rec.rows.rec[np.argsort(rec.rows.rec["stored_at"], kind="stable")]  # oldest first
@@ -172,6 +180,8 @@ class Tiers:
         ns_col = rows["ns"]
         for ns in np.flatnonzero(np.bincount(ns_col)).tolist() if len(ns_col) else ():  # each namespace's block size (newest row)
             self.recovered_sizes[names[ns]] = int(rows["length"][np.flatnonzero(ns_col == ns)[-1]])
+        for size in set(self.recovered_sizes.values()):
+            self._size_budget(size)
         gc_was_on = gc.isenabled()
         gc.disable()  # millions of new objects: generational passes over them would cost more than building them
         try:
@@ -200,6 +210,8 @@ class Tiers:
         more disk victims; if that does not help, undo e's disk reservation, count a refusal."""
         if self.segments is None:
             return True
+        if e.size not in self._budget_sizes:
+            self._size_budget(e.size)
         for _ in range(8):
             loc = self.segments.reserve(e.size)
             if loc is not None:
@@ -215,6 +227,17 @@ class Tiers:
         self.stats.bump(e.namespace, "admission_refusals")
         log.warning("disk tier refused a spill of %s: %s", e.key.hash.hex()[:16], self.segments.store.refusal())
         return False
+
+    def _size_budget(self, size: int) -> None:
+        """Lower the disk policy's byte budget to what the store holds in blocks of `size` (each
+        slot also costs its slot rounding and metadata share). Without it the policy sees room the
+        store has not got, and in a full tier every spill would fail its first reservation and
+        evict again (_reserve_slot's fallback, ~15 us a victim on the loop at 64 KiB)."""
+        assert self.disk is not None and self.segments is not None
+        self._budget_sizes.add(size)
+        store = self.segments.store
+        blocks = max(0, store.capacity_bytes - store.metadata_fixed_bytes) // (slot_class(size) + META_PER_SLOT)
+        self.disk.budget_bytes = min(self.disk.budget_bytes, blocks * size)
 
     # --- host tier
     def make_host_room(self, block_bytes: int, n: int, now: float) -> tuple[int, list[Entry]]:
@@ -429,7 +452,36 @@ class Tiers:
             self.life.evict_many(release + drop if release else drop, plain=plain)
             if drop:
                 self.life.forget_many(drop)
-        return [e for e in rest if self._evict_from_host(e, now)]
+        return self._spill_victims(rest, now)
+
+    def _spill_victims(self, victims: list[Entry], now: float) -> list[Entry]:
+        """_evict_from_host for host victims that have no disk copy and may spill, as a batch
+        (disk tier v2): one disk eviction plan for all their bytes, the planned disk blocks freed
+        with one store call, one slot reservation call; a victim the store gives no slot falls
+        back to _reserve_slot's evict-and-retry. When the plan for all of them fails (protected
+        blocks), block by block as before, so the ones that fit still spill."""
+        if self.segments is None or len(victims) < 2:
+            return [e for e in victims if self._evict_from_host(e, now)]
+        for size in {e.size for e in victims} - self._budget_sizes:
+            self._size_budget(size)
+        plan = plan_disk_eviction(self.disk, sum(e.size for e in victims), now, self.config.protect_unexpired)
+        if plan is None:
+            return [e for e in victims if self._evict_from_host(e, now)]
+        self._count_by_ns(victims, "host_evictions")
+        self._apply_disk_plan(plan, batch=True)
+        for e in victims:
+            self.disk.reserve(e)
+        locs = self.segments.reserve_many([e.size for e in victims])
+        out = []
+        for e, loc in zip(victims, locs):
+            if loc is not None:
+                e.disk_loc = loc
+            elif not self._reserve_slot(e, now):
+                self._drop(e)
+                continue
+            self.life.evict(e, keep_slot=True)
+            out.append(e)
+        return out
 
     def _count_by_ns(self, entries: list[Entry], counter: str) -> None:
         for ns, k in Counter(map(_namespace_of, entries)).items():
@@ -468,6 +520,63 @@ class Tiers:
         if wait is not None:
             await asyncio.shield(wait)
         return self.onboard(e, buf)
+
+    async def onboard_many(self, entries: list[Entry], bufs: list[torch.Tensor]) -> int:
+        """onboard_evicting for a batch (a Load's disk blocks that found no free or clean host
+        slot and landed in scratch buffers): per block size one make_host_room (the victims'
+        spills queued together), one wait for their room, slots taken at once and the copies made
+        off the loop in one job (read_batch's pattern: a slot is given to its block only once its
+        bytes are in). A block that left the index or got a host copy meanwhile is skipped.
+        Returns how many blocks were onboarded."""
+        loop = asyncio.get_running_loop()
+        holds = self.index.holds
+        done = 0
+        by_size: dict[int, list[int]] = {}
+        for i, e in enumerate(entries):
+            by_size.setdefault(e.size, []).append(i)
+        for size, idxs in by_size.items():
+            live = [i for i in idxs if holds(entries[i]) and not entries[i].in_memory]
+            if not live:
+                continue
+            if self.host.placeable(size) < len(live):
+                now = self.now()
+                fit, spills = self.make_host_room(size, len(live), now)
+                wait = self.room_after(spills, now, size, fit)
+                if wait is not None:
+                    await asyncio.shield(wait)
+                live = [i for i in live if holds(entries[i]) and not entries[i].in_memory]
+            k = min(len(live), self.host.placeable(size))
+            offsets = self.host.alloc(size, k) if k else None
+            if not offsets:
+                continue
+            live = live[:k]
+            rows = [self.host.arena.row(off, size) for off in offsets]
+            srcs = [bufs[i].view(torch.uint8).reshape(-1) for i in live]
+            job = loop.run_in_executor(self.reader_pool, _copy_rows, rows, srcs)
+            try:
+                await asyncio.shield(job)
+            except asyncio.CancelledError:  # the copy still writes the slots: they go back once it ends
+                job.add_done_callback(lambda _, offs=offsets: self.host.free(offs, size))
+                raise
+            except BaseException:
+                self.host.free(offsets, size)
+                raise
+            adds, add_offs, spare, seen = [], [], [], set()
+            for i, off in zip(live, offsets):
+                e = entries[i]
+                if holds(e) and not e.in_memory and id(e) not in seen:
+                    seen.add(id(e))
+                    adds.append(e)
+                    add_offs.append(off)
+                else:
+                    spare.append(off)
+            if spare:
+                self.host.free(spare, size)
+            if adds:
+                self.life.add(adds, add_offs)
+                self._count_by_ns(adds, "disk_onboards")
+                done += len(adds)
+        return done
 
     # --- disk tier
     async def _write_jobs(self, batch: list[Entry]) -> None:
@@ -608,12 +717,23 @@ class Tiers:
             if e.disk == DiskState.NONE:
                 self._forget(e)
 
-    def _apply_disk_plan(self, plan: list[Victim]) -> None:
+    def _apply_disk_plan(self, plan: list[Victim], batch: bool = False) -> None:
+        """batch: the freed slots go back with one store call (and counters per namespace)."""
+        if not batch or self.segments is None:
+            for v in plan:
+                self.stats.bump(v.entry.namespace, v.cls.value)
+                self._drop_disk_copy(v.entry)
+            return
+        for (ns, cls), k in Counter((v.entry.namespace, v.cls.value) for v in plan).items():
+            self.stats.bump(ns, cls, k)
+        freed: list[int] = []
         for v in plan:
-            self.stats.bump(v.entry.namespace, v.cls.value)
-            self._drop_disk_copy(v.entry)
+            self._drop_disk_copy(v.entry, freed)
+        if freed:
+            self.segments.free_many(freed)
 
-    def _drop_disk_copy(self, e: Entry) -> None:
+    def _drop_disk_copy(self, e: Entry, freed: list[int] | None = None) -> None:
+        """freed: collect the slot to free (the caller frees the batch) instead of freeing it."""
         assert self.disk is not None
         if e.disk == DiskState.QUEUED:  # a queued best-effort spill, cancelled: the writer skips it
             self._abandon_spill(e)
@@ -623,7 +743,10 @@ class Tiers:
         e.disk_path = ""
         if self.segments is not None:
             if e.disk_loc >= 0:
-                self.segments.free(e.disk_loc)
+                if freed is None:
+                    self.segments.free(e.disk_loc)
+                else:
+                    freed.append(e.disk_loc)
             e.disk_loc = -1
         else:
             # unlink now, on the loop thread: a later spill of the same key reuses this path

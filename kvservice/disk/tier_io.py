@@ -2,12 +2,12 @@
 
 Primitives (event loop thread):
   TierIO.open(config, durable) -> TierIO        blocking (run it in an executor): opens the store
-  reserve(size) -> loc | None                   a slot for one spill, no I/O
+  reserve(size) -> loc | None                   a slot for one spill, no I/O (reserve_many: a batch's)
   await write(loc, block, buf) -> DiskFault|None
   await read(loc, out) -> DiskFault|None
   write_many(locs, blocks, bufs) -> future of [DiskFault|None]   one store call, as given
   read_many(locs, outs) -> future of [DiskFault|None]            (the write queue's batches, a Load's disk blocks)
-  free(loc) / set_deadline(loc, deadline) / cancel(loc)
+  free(loc) / free_many(locs) / set_deadline(loc, deadline) / cancel(loc)
   close()                                       blocking
 
 Batching: every write (read) awaited in the same turn of the event loop joins one
@@ -60,11 +60,17 @@ class TierIO:
     def reserve(self, size: int) -> int | None:
         return self.store.reserve([size])[0]
 
+    def reserve_many(self, sizes: list[int]) -> list[int | None]:
+        return self.store.reserve(sizes)
+
     def cancel(self, loc: int) -> None:
         self.store.cancel([loc])
 
     def free(self, loc: int) -> None:
         self.store.free([loc])
+
+    def free_many(self, locs: list[int]) -> None:
+        self.store.free(locs)
 
     def set_deadline(self, loc: int, deadline: float) -> None:
         self.store.set_deadline(loc, deadline)
