@@ -16,12 +16,12 @@ from engine_client.client import AsyncKVClient
 from engine_client.errors import KVClientError
 from engine_client.hashing import HASH_BYTES, BlockHasher
 from engine_client.namespace import Namespace
-from engine_client.results import LoadResult, LoadResults, StoreResult, StoreResults
+from engine_client.results import LoadResult, LoadResults, PrefetchStatuses, StoreResult, StoreResults
 from engine_client.shm_pool import ShmKVPool
 from engine_client.sync_client import KVClient
 
 __all__ = ["AsyncKVClient", "BlockHasher", "CudaKVPool", "HASH_BYTES", "KVClient", "KVClientError", "LoadResult",
-           "LoadResults", "Namespace", "ShmKVPool", "StoreResult", "StoreResults"]
+           "LoadResults", "Namespace", "PrefetchStatuses", "ShmKVPool", "StoreResult", "StoreResults"]
 
 
 def __getattr__(name: str):

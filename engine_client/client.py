@@ -42,7 +42,7 @@ from engine_client.hashing import HASH_BYTES, BlockHasher
 from engine_client.lookup_channel import AsyncLookupChannel, ChannelDown
 from engine_client.namespace import Namespace
 from engine_client.registration import register, unix_socket_path
-from engine_client.results import LoadResults, StoreResults
+from engine_client.results import LoadResults, PrefetchStatuses, StoreResults
 from kvwire.v1 import kvcache_pb2, kvcache_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -297,15 +297,16 @@ class AsyncKVClient:
         )
         return out
 
-    async def prefetch(self, hashes: Sequence[bytes]) -> list[int]:
-        """Stage disk-resident blocks into the host tier; a PrefetchStatus value per hash."""
+    async def prefetch(self, hashes: Sequence[bytes]) -> PrefetchStatuses:
+        """Stage disk-resident blocks into the host tier; a PrefetchStatus value per hash (a list), with
+        the daemon's reason for each refused block in `.messages` (index -> text)."""
         packed = _pack(hashes)
-        out: list[int] = []
+        out = PrefetchStatuses()
         await self._batched(
             "Prefetch", len(hashes),
             lambda sid, lo, hi: kvcache_pb2.PrefetchRequest(session_id=sid, hashes=packed[lo * HASH_BYTES:hi * HASH_BYTES]),
             lambda reply: (reply.results,),
-            lambda reply: out.extend(reply.results),
+            lambda reply: out.extend_reply(reply.results, reply.messages),
             lambda k: out.extend([kvcache_pb2.NOT_FOUND] * k),
         )
         return out

@@ -2,7 +2,8 @@
 
 The daemon answers a batch in packed arrays (a status per block, deadlines or tiers, a message only
 for the blocks that have one). StoreResults / LoadResults keep those arrays (`statuses`,
-`deadlines` / `tiers`, `messages`: index -> text) and read like a list of per-block results:
+`deadlines` / `tiers`, `messages`: index -> text) and read like a list of per-block results (PrefetchStatuses: a
+list of status values with the refusals' `messages`):
 `results[i].status`, `for r in results`, `len(results)`. Status and tier values are the
 kvservice.v1 enum values (kvcache_pb2.STORED, kvcache_pb2.LOADED, kvcache_pb2.TIER_HOST, ...).
 A hot loop should read the arrays; indexing builds a small result tuple per block.
@@ -110,3 +111,22 @@ class LoadResults(Sequence[LoadResult]):
 
     def __repr__(self) -> str:
         return f"LoadResults({list(self)!r})"
+
+
+class PrefetchStatuses(list):
+    """A Prefetch's answer: a PrefetchStatus value per hash (it is a list of them), and `messages`
+    (index -> why) for the blocks the daemon refused -- the session's lease cap, no room in the host
+    tier, a failed disk read -- so an engine can tell a staging that starves from one that fails."""
+
+    __slots__ = ("messages",)
+
+    def __init__(self, statuses: Sequence[int] = ()) -> None:
+        super().__init__(statuses)
+        self.messages: dict[int, str] = {}
+
+    def extend_reply(self, statuses: Sequence[int], messages) -> None:
+        lo = len(self)
+        self.extend(statuses)
+        for m in messages:
+            self.messages[lo + m.index] = m.message
+

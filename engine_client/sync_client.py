@@ -42,7 +42,7 @@ from engine_client.errors import DETACHING_CODES, KVClientError
 from engine_client.hashing import BlockHasher
 from engine_client.lookup_channel import TIMED_OUT, ChannelDown, LookupChannel
 from engine_client.namespace import Namespace
-from engine_client.results import LoadResults, StoreResults
+from engine_client.results import LoadResults, PrefetchStatuses, StoreResults
 from kvwire.v1 import kvcache_pb2, kvcache_pb2_grpc
 
 T = TypeVar("T")
@@ -132,7 +132,7 @@ class KVClient:
     def load(self, hashes: Sequence[bytes], block_ids: Sequence[int]) -> LoadResults:
         return self._run(self._client.load(hashes, block_ids))
 
-    def prefetch(self, hashes: Sequence[bytes]) -> list[int]:
+    def prefetch(self, hashes: Sequence[bytes]) -> PrefetchStatuses:
         return self._run(self._client.prefetch(hashes))
 
     def retain(self, hashes: Sequence[bytes], ttl_seconds: float) -> list[float]:
@@ -147,7 +147,7 @@ class KVClient:
                     ) -> concurrent.futures.Future[LoadResults]:
         return self._submit(self._client.load(hashes, block_ids))
 
-    def submit_prefetch(self, hashes: Sequence[bytes]) -> concurrent.futures.Future[list[int]]:
+    def submit_prefetch(self, hashes: Sequence[bytes]) -> concurrent.futures.Future[PrefetchStatuses]:
         return self._submit(self._client.prefetch(hashes))
 
     def submit_lookup(self, hashes: Sequence[bytes]) -> concurrent.futures.Future[tuple[int, list[int]]]:

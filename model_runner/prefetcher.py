@@ -62,10 +62,12 @@ class Prefetcher:
     def __init__(self, client: KVClient, *, chunk_blocks: int = CHUNK_BLOCKS, depth: int = DEPTH,
                  on_status: Callable[[int], None] = lambda status: None,
                  on_chunk: Callable[[], None] = lambda: None,
-                 on_rate: Callable[[int, float], None] = lambda blocks, seconds: None) -> None:
+                 on_rate: Callable[[int, float], None] = lambda blocks, seconds: None,
+                 on_stop: Callable[[int, str], None] = lambda status, message: None) -> None:
         """on_status: called per block answer (a PrefetchStatus value); on_chunk: after each chunk
         (the engine's wake-up: a queued request may now find more in host memory); on_rate: see the
-        module docstring."""
+        module docstring; on_stop(status, message): the block a job stopped at, with the daemon's reason
+        (the session's lease cap, no room in the host tier, a failed read; "" for NOT_FOUND)."""
         if chunk_blocks < 1:
             raise ValueError(f"chunk_blocks must be >= 1, got {chunk_blocks}")
         if depth < 1:
@@ -76,6 +78,7 @@ class Prefetcher:
         self._on_status = on_status
         self._on_chunk = on_chunk
         self._on_rate = on_rate
+        self._on_stop = on_stop
         self._jobs: deque[PrefetchJob] = deque()
         self._cv = threading.Condition()
         self._closed = False
@@ -176,6 +179,7 @@ class Prefetcher:
                 self._on_chunk()
                 if ok < len(statuses):
                     broken = True  # the chain's tail is no use without this block
+                    self._on_stop(statuses[ok], getattr(statuses, "messages", {}).get(ok, ""))
                 elif answered >= 2 and answered & (answered - 1) == 0 and read:
                     self._on_rate(read, time.monotonic() - t0)
         finally:

@@ -106,7 +106,8 @@ class Scheduler:
         self._staging: deque[tuple[int, float]] = deque()  # (blocks, seconds) of prefetch jobs' disk reads
         if client is not None:
             self.prefetcher = Prefetcher(client, on_status=self._count_prefetched, on_chunk=wake,
-                                         on_rate=lambda blocks, seconds: self._staging.append((blocks, seconds)))
+                                         on_rate=lambda blocks, seconds: self._staging.append((blocks, seconds)),
+                                         on_stop=self._prefetch_stopped)
 
     # --- sizes
     def blocks_needed(self, prompt_len: int, max_tokens: int) -> int:
@@ -604,3 +605,20 @@ class Scheduler:
 
     def _count_prefetched(self, status: int) -> None:  # on the prefetch thread
         self.metrics.prefetched_blocks.labels(kvcache_pb2.PrefetchStatus.Name(status)).inc()
+
+    def _prefetch_stopped(self, status: int, message: str) -> None:  # on the prefetch thread
+        reason = prefetch_stop_reason(status, message)
+        self.metrics.prefetch_stops.labels(reason).inc()
+        log.debug("prefetch job stopped (%s): %s", reason, message or kvcache_pb2.PrefetchStatus.Name(status))
+
+
+def prefetch_stop_reason(status: int, message: str) -> str:
+    """The metric label of a block a prefetch job stopped at (status, the daemon's message)."""
+    if status == kvcache_pb2.NOT_FOUND:
+        return "not_found"
+    text = message.lower()
+    for key, reason in (("cap", "lease_cap"), ("no room", "no_room"), ("read failed", "read_failed")):
+        if key in text:
+            return reason
+    return "other"
+

@@ -519,6 +519,8 @@ def test_a_prefetched_request_loads_only_its_staged_prefix_and_recomputes_the_un
         assert tiers == [kvcache_pb2.TIER_HOST] * 2 + [kvcache_pb2.TIER_DISK] * 4
         wait_until(lambda: seq.prefetch_job is not None and seq.prefetch_job.done, what="the prefetch job")
         assert seq.prefetch_job is not None and seq.prefetch_job.staged == 2
+        # The job stopped at the daemon's refusal, and the engine says why.
+        assert b.registry.get_sample_value("model_runner_prefetch_stops_total", {"reason": "lease_cap"}) == 1
         s.admit()
         assert seq.load is not None and seq.load.tiers == [kvcache_pb2.TIER_HOST] * 2
         b.start()
@@ -528,6 +530,19 @@ def test_a_prefetched_request_loads_only_its_staged_prefix_and_recomputes_the_un
         assert r.output_ids == reference(ids)
     finally:
         b.stop()
+
+
+def test_prefetch_stop_reasons_are_named_from_the_daemons_messages() -> None:
+    """Scenario: the refusals the daemon sends for a block a prefetch did not stage map to the labels of
+    model_runner_prefetch_stops_total; NOT_FOUND has no message."""
+    from model_runner.scheduler import prefetch_stop_reason
+    failed = kvcache_pb2.PREFETCH_FAILED
+    assert prefetch_stop_reason(kvcache_pb2.NOT_FOUND, "") == "not_found"
+    assert prefetch_stop_reason(failed, "this session's prefetch leases hold 8 bytes; its cap is 4 "
+                                        "(prefetch_share 0.25 of the host tier)") == "lease_cap"
+    assert prefetch_stop_reason(failed, "no room in the host tier: it is pinned by loads and prefetches") == "no_room"
+    assert prefetch_stop_reason(failed, "disk read failed, block discarded: EIO") == "read_failed"
+    assert prefetch_stop_reason(failed, "something new") == "other"
 
 
 def test_a_step_admits_prompts_up_to_the_prefill_budget() -> None:

@@ -294,8 +294,9 @@ def render_md(results: dict) -> str:
             L.append("\nThe same pairs inside the engine (means; ms from kv_cache.timings): queued until admitted, "
                      "admitted until its Load landed, then to the first token; blocks admission planned to load "
                      "by tier, and staged by its prefetch by then:\n")
-            L.append("| configuration | queued | loading | to first token | planned host / disk blocks | staged | plans |")
-            L.append("| --- | ---: | ---: | ---: | --- | ---: | --- |")
+            L.append("| configuration | queued | loading | to first token | planned host / disk blocks | staged | plans "
+                     "| prefetch jobs stopped by (whole run) |")
+            L.append("| --- | ---: | ---: | ---: | --- | ---: | --- | --- |")
             for n in ("disk_p4", "disk_p0"):
                 if n not in cfg:
                     continue
@@ -313,7 +314,9 @@ def render_md(results: dict) -> str:
                 L.append(f"| {cfg[n]['label']} | {mean('queued'):.0f} | {mean('loading'):.0f} | {mean('to_first'):.0f} | "
                          f"{sum(int(t.get('load_host', 0)) for t in det)} / {sum(int(t.get('load_disk', 0)) for t in det)} | "
                          f"{sum(int(t.get('staged', 0)) for t in det)} | "
-                         + ", ".join(f"{k}: {v}" for k, v in sorted(plans.items())) + " |")
+                         + ", ".join(f"{k}: {v}" for k, v in sorted(plans.items())) + " | "
+                         + (", ".join(f"{_label(k)}: {int(v)}" for k, v in sorted(cfg[n].get("engine_metrics", {}).items())
+                                      if k.startswith("model_runner_prefetch_stops_total")) or "-") + " |")
         cpu_rows = []
         for n in names:
             em = cfg[n].get("engine_metrics", {})
@@ -390,3 +393,9 @@ def _label(metric: str) -> str:
 if __name__ == "__main__":
     path = Path(sys.argv[1])
     print(render_md(json.loads(path.read_text())))
+
+
+def _label(sample: str) -> str:
+    """'name{reason="lease_cap"}' -> 'lease_cap' (a one-label sample's value)."""
+    return sample.split('="', 1)[1].rstrip('"}') if '="' in sample else sample
+
