@@ -891,6 +891,7 @@ class Tiers:
         adding: set[int] = set()
         onboards: dict[str, int] = {}
         part = entries[a:b]
+        holds = self.index.holds  # (not e.key: a property that builds a key per block)
         for k, (e, off, fault) in enumerate(zip(part, offsets[a:b], faults), start=a):
             if id(e) in adding:  # the same block twice in one batch: its first copy goes in first
                 self.life.add(adds, add_offs)
@@ -901,7 +902,7 @@ class Tiers:
                 results[k] = (self._read_failed(e, fault), False)
             elif off is None:
                 results[k] = (outs[k], False)
-            elif self.index.get_any(e.key) is e and not e.in_memory:
+            elif holds(e) and not e.in_memory:
                 adds.append(e)
                 add_offs.append(off)
                 adding.add(id(e))
