@@ -8,7 +8,10 @@ two blocks, so the small batches of the tests take that path:
   - cancelled while its second part is copying, it leaves nothing reserved, pinned or half-made,
     and the same hashes store again;
   - a part that does not fit (pinned tier) answers NOT_STORED for the rest of the chunk and keeps
-    the prefix stored.
+    the prefix stored;
+  - a hash whose entry is not built yet (held by the Store's mark) is not stored for Lookup and
+    Load, and another Store of it waits for the first one: ALREADY_STORED once it committed,
+    NOT_STORED if it was cancelled; a hash twice in one Store in parts is stored once.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 import kvservice.core.cache as cache_mod
+from kvservice.core.lifecycle import is_mark
 from kvservice.core.types import LoadStatus, StoreStatus
 from tests.corekit import BLOCK, Engine, Pool, h, small_config, started_cache
 from tests.test_lifecycle_properties import LifecycleMachine
@@ -138,6 +142,95 @@ async def test_a_part_that_does_not_fit_keeps_the_prefix(tmp_path, parts_of):
             assert "room for 3 of 8" in rs[3].message
             rs = await eng.load(list(range(3)))
             assert [r.status for r in rs] == [LoadStatus.LOADED] * 3
+            assert cache.audit() == []
+        finally:
+            await cache.close_session(eng.sid)
+            pool.close()
+
+
+async def _hold_a_store_in_its_first_part(cache, eng, gated_gather, numbers):
+    """Start eng.store(numbers) in parts of 2 and hold it while its first part copies: its later
+    hashes are reserved (the Store's mark) but their entries not built yet."""
+    gated_gather.open.clear()
+    task = asyncio.ensure_future(eng.store(numbers))
+    await until(lambda: gated_gather.inside >= 1, "the first part's copy")
+    d = cache.tiers.index.namespace(cache._sessions.get(eng.sid).namespace)
+    assert is_mark(d[h(numbers[-1])]), "the last hash should still be held by the Store's mark"
+    return task
+
+
+async def test_a_hash_held_by_a_store_not_yet_built_waits_for_it(tmp_path, parts_of, gated_gather):  # noqa: F811
+    """Scenario: Store A of blocks 0-7 (parts of 2) copies its first part; its hash 7 is reserved,
+    its entry not built. Lookup stops before it, Load says MISSING, and Store B of block 7 (another
+    session of the namespace) waits for A, then answers ALREADY_STORED; the bytes are A's."""
+    parts_of(2, depth=1)
+    cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=16 * BLOCK)
+    async with started_cache(cfg) as cache:
+        pool_a, pool_b = Pool(num_blocks=32), Pool(num_blocks=32)
+        a, b = Engine(cache, pool_a), Engine(cache, pool_b)
+        try:
+            task = await _hold_a_store_in_its_first_part(cache, a, gated_gather, list(range(8)))
+            assert cache.lookup(b.sid, [h(7)]) == []
+            assert [r.status for r in await b.load([7])] == [LoadStatus.MISSING]
+            other = asyncio.ensure_future(b.store([7]))
+            await asyncio.sleep(0.05)
+            assert not other.done(), "B answered before A's outcome"
+            assert cache.audit(idle=False) == []
+            gated_gather.open.set()
+            assert [r.status for r in await task] == [StoreStatus.STORED] * 8
+            assert [r.status for r in await other] == [StoreStatus.ALREADY_STORED]
+            assert [r.status for r in await b.load(list(range(8)))] == [LoadStatus.LOADED] * 8  # bytes checked
+            assert cache.audit() == []
+        finally:
+            gated_gather.open.set()
+            await cache.close_session(a.sid)
+            await cache.close_session(b.sid)
+            pool_a.close()
+            pool_b.close()
+
+
+async def test_a_hash_held_by_a_cancelled_store_is_not_acknowledged(tmp_path, parts_of, gated_gather):  # noqa: F811
+    """Scenario: as above, but Store A is cancelled in its first part: B's Store of block 7 answers
+    NOT_STORED (never an acknowledgement of bytes nobody kept), nothing of A is left in the index,
+    and block 7 stores again."""
+    parts_of(2, depth=1)
+    cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=16 * BLOCK)
+    async with started_cache(cfg) as cache:
+        pool_a, pool_b = Pool(num_blocks=32), Pool(num_blocks=32)
+        a, b = Engine(cache, pool_a), Engine(cache, pool_b)
+        try:
+            task = await _hold_a_store_in_its_first_part(cache, a, gated_gather, list(range(8)))
+            other = asyncio.ensure_future(b.store([7]))
+            await asyncio.sleep(0.05)
+            await cancelled(task)
+            rs = await other
+            assert [r.status for r in rs] == [StoreStatus.NOT_STORED] and "did not complete" in rs[0].message
+            assert not list(cache.tiers.index.values()), "the cancelled Store left entries or marks"
+            gated_gather.open.set()
+            await until(lambda: gated_gather.inside == 0, "the copy to end")
+            await asyncio.sleep(0.05)
+            assert cache.audit() == []
+            await restore_works(b, [7])
+        finally:
+            gated_gather.open.set()
+            await cache.close_session(a.sid)
+            await cache.close_session(b.sid)
+            pool_a.close()
+            pool_b.close()
+
+
+async def test_a_hash_twice_in_a_store_in_parts_is_stored_once(tmp_path, parts_of):
+    """Scenario: a Store of 0-5 with block 1 again at the end, in parts of 2: the first place
+    stores it, the second answers ALREADY_STORED, and every block loads byte-exact."""
+    parts_of(2)
+    cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=16 * BLOCK)
+    async with started_cache(cfg) as cache:
+        pool = Pool(num_blocks=32)
+        eng = Engine(cache, pool)
+        try:
+            rs = await eng.store([0, 1, 2, 3, 4, 5, 1])
+            assert [r.status for r in rs] == [StoreStatus.STORED] * 6 + [StoreStatus.ALREADY_STORED]
+            assert [r.status for r in await eng.load(list(range(6)))] == [LoadStatus.LOADED] * 6
             assert cache.audit() == []
         finally:
             await cache.close_session(eng.sid)

@@ -41,6 +41,7 @@ from kvservice.ops.quoting import quoted
 from kvservice.core.sessions import Session, SessionTable
 from kvservice.core.sessions_api import MAIN_LISTENER, NamespaceSpec, OpenedSession, Peer, PoolSpec, SessionInfo
 from kvservice.ops.stats import CounterSet, Counters, Histogram
+from kvservice.core.lifecycle import Reservation, is_mark
 from kvservice.core.tiers import Tiers
 from kvservice.core.types import (
     HASH_BYTES, BlockHash, BlockKey, CacheError, ErrorCode, LoadResults, LoadStatus, NamespaceId, PrefetchResult,
@@ -295,27 +296,30 @@ class BlockCache:
             new_hashes = [hs[i] for i in new_pos]
         del found
         dups: list[int] = []
-        entries = life.reserve(blocks, ns, new_hashes, size, now)
-        if entries is None:  # a hash twice in one batch (nothing reserved): its first place stores it
+        # the new hashes are held at once (a mark each); their entries are built part by part
+        res = life.reserve_lazily(blocks, ns, new_hashes, size, now) if new_hashes else None
+        if res is None and new_hashes:  # a hash twice in one batch (nothing reserved): its first place stores it
             first: dict[bytes, int] = {}
             for i in new_pos:
                 first.setdefault(hs[i], i)
             dups = [i for i in new_pos if first[hs[i]] != i]
             new_pos = [i for i in new_pos if first[hs[i]] == i]
             new_hashes = [hs[i] for i in new_pos]
-            entries = life.reserve(blocks, ns, new_hashes, size, now)
-            assert entries is not None
+            res = life.reserve_lazily(blocks, ns, new_hashes, size, now)
+            assert res is not None
         touched.extend((i, blocks[hs[i]]) for i in dups)
         try:
             pending = await self._store_hits(touched, ttl, now, results) if touched else []
-            if entries:
-                await self._store_new(s, new_pos, entries, ids if len(new_pos) == len(ids) else [ids[i] for i in new_pos],
+            if res is not None:
+                await self._store_new(s, new_pos, res, ids if len(new_pos) == len(ids) else [ids[i] for i in new_pos],
                                       ttl, now, results)
+                life.finish(res)  # our own hashes twice in the batch (pending) wait for this
             if pending:  # after our own blocks: two Stores that wait for each other's both commit first
-                await self._store_pending(pending, ttl, now, results)
+                await self._store_pending(pending, hs, blocks, ttl, now, results)
         finally:
-            if not all(map(_ready, entries)):
-                life.rollback(entries)  # whatever is still not ready was reserved by this call and never committed
+            if res is not None:  # what was reserved by this call and never committed is rolled back
+                life.finish(res)
+        entries = res.entries if res is not None else []
         if entries and entries[0].ready and self.namespaces.fix_canary(s.namespace, s.canary):
             log.info("namespace %s: hash canary fixed by session %s, its first store", s.namespace, s.label)
         self._store_latency.observe(time.perf_counter() - t0)
@@ -357,39 +361,47 @@ class BlockCache:
         for e in persist:
             await self._t.persist_deadline(e)
 
-    async def _store_pending(self, pending: list[tuple[int, Entry]], ttl: float, now: float,
-                             results: StoreResults) -> None:
+    async def _store_pending(self, pending: list[tuple[int, Entry]], hs: list[bytes], blocks: dict[bytes, Entry],
+                             ttl: float, now: float, results: StoreResults) -> None:
         """Hits that another Store was copying in: ALREADY_STORED (and retained if asked) once it
         committed them; NOT_STORED if it was cancelled or failed - never an acknowledgement of
-        bytes nobody kept."""
+        bytes nobody kept. A hit on a Store's reservation mark (its entry not built yet) is looked
+        up again once that Store is over."""
         waits = self._t.life.outcome([e for _, e in pending])
         if waits:
             await asyncio.wait(waits)
+        stored: list[tuple[int, Entry]] = []
         for i, e in pending:
-            if not e.ready:
+            if is_mark(e):
+                e = blocks.get(hs[i])
+            if e is None or not e.ready:
                 results.set(i, StoreStatus.NOT_STORED,
                             message="a concurrent Store of this block did not complete (cancelled or failed): store it again")
-        await self._answer_already_stored([(i, e) for i, e in pending if e.ready], ttl, now, results)
+            else:
+                stored.append((i, e))
+        await self._answer_already_stored(stored, ttl, now, results)
 
-    async def _store_new(self, s: Session, pos: list[int], entries: list[Entry], bids: list[int], ttl: float,
+    async def _store_new(self, s: Session, pos: list[int], res: Reservation, bids: list[int], ttl: float,
                          now: float, results: StoreResults) -> None:
         """Copy new blocks in, head first, in chunks the host tier can hold: a batch larger than
         the host tier streams through it (earlier chunks spill as later ones arrive)."""
         t = self._t
         chunk = max(1, min(t.host.arena.max_slots(s.block_bytes), t.host.capacity_bytes // s.block_bytes))
-        for lo in range(0, len(entries), chunk):
+        n = len(res)
+        for lo in range(0, n, chunk):
             hi = lo + chunk
-            stored = await self._store_chunk(s, pos[lo:hi], entries[lo:hi], bids[lo:hi], ttl, now, results)
+            stored = await self._store_chunk(s, pos[lo:hi], res, bids[lo:hi], ttl, now, results)
             if not stored:
-                t.life.rollback(entries[hi:])
+                t.life.release_unbuilt(res)
                 for i in pos[hi:]:
                     results.set(i, StoreStatus.NOT_STORED, message="no room in the host tier")
                 return
 
-    async def _store_chunk(self, s: Session, pos: list[int], entries: list[Entry], bids: list[int], ttl: float,
+    async def _store_chunk(self, s: Session, pos: list[int], res: Reservation, bids: list[int], ttl: float,
                            now: float, results: StoreResults) -> bool:
-        """Store what fits of one chunk; False when some of it did not fit. Plan (evict, no await),
-        wait for the spills that make the room, take slots (placed on the reserved entries), copy
+        """Store what fits of one chunk (the next len(pos) hashes of res); False when some of it did
+        not fit. Plan (evict, no await), wait for the spills that make the room, take slots, build the
+        reserved entries (Lifecycle.build) and place the slots on them, copy
         the engine's blocks straight into them, commit. Cancelled or failed before the commit, the
         reservations are rolled back; their slots go once the copy thread is done with them.
         A chunk of more than 2 x PIPELINE_BLOCKS is planned and copied in parts (_parts: growing
@@ -399,7 +411,8 @@ class BlockCache:
         Its blocks are still committed together at the end, as one chain."""
         t = self._t
         life = t.life
-        n = len(entries)
+        n = len(pos)
+        first = len(res.entries)  # entries of earlier chunks
         jobs: list[tuple[asyncio.Future, list[Entry]]] = []  # copies started: their futures and blocks
         sums: list[int] = []
         waited = 0  # jobs whose copy was awaited (their checksums are in sums)
@@ -409,15 +422,14 @@ class BlockCache:
             for lo, hi in _parts(n):
                 want = hi - lo
                 fit, offsets = await self._host_room(s.block_bytes, want, now)
-                if fit < want:  # head first: when only part of the chain fits, keep its prefix
-                    self._refuse_rest(s, pos[lo + fit:], entries[lo + fit:], lo + fit, n, now, results)
                 if fit:
-                    placed = entries[lo:lo + fit]
+                    placed = life.build(res, fit)
                     life.place(placed, offsets)
                     jobs.append((loop.run_in_executor(self._copy_pool, s.memory.gather_into, bids[lo:lo + fit],
                                                       t.host.arena, offsets), placed))
                     placed_n = lo + fit
-                if fit < want:
+                if fit < want:  # head first: when only part of the chain fits, keep its prefix
+                    self._refuse_rest(s, pos[lo + fit:], res, lo + fit, n, now, results)
                     break
                 while len(jobs) - waited >= PIPELINE_DEPTH or (waited < len(jobs) and hi >= n):
                     sums += await asyncio.shield(jobs[waited][0])
@@ -440,7 +452,7 @@ class BlockCache:
                     self._abandon_copy(fut, placed)
                 raise
             waited += 1
-        placed = entries[:placed_n]
+        placed = res.entries[first:first + placed_n]
         life.commit(placed, sums)
         self.stats.bump(s.namespace, "stores", placed_n)
         status = results.status
@@ -474,20 +486,21 @@ class BlockCache:
         offsets = t.host.alloc(size, fit) if fit else None
         return (fit, offsets) if offsets is not None else (0, None)
 
-    def _refuse_rest(self, s: Session, pos: list[int], entries: list[Entry], fit: int, n: int, now: float,
+    def _refuse_rest(self, s: Session, pos: list[int], res: Reservation, fit: int, n: int, now: float,
                      results: StoreResults) -> None:
-        """The blocks of a chunk past the first `fit` of its n did not fit: rolled back, NOT_STORED, why."""
+        """The blocks of a chunk past the first `fit` of its n did not fit: out of the index (with
+        every later one of res), NOT_STORED, why."""
         t = self._t
         pinned, protected = t.host_blockers(now)
         if protected:  # DESIGN §5 protect-unexpired: refused admission, counted
             why = "the rest of it holds unexpired retained blocks that cannot spill: " + t.protection_reason()
-            self.stats.bump(s.namespace, "admission_refusals", len(entries))
+            self.stats.bump(s.namespace, "admission_refusals", len(pos))
         elif pinned:
             why = "the rest of it is pinned by loads or prefetches in flight"
         else:
             why = "a concurrent call took the rest"
         message = f"host tier has room for {fit} of {n} blocks: {why}"
-        t.life.rollback(entries)
+        t.life.release_unbuilt(res)
         for i in pos:
             results.set(i, StoreStatus.NOT_STORED, message=message)
 

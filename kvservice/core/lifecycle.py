@@ -6,6 +6,9 @@
     rollback: a Store cancelled at any await, a dead client, a failed copy, no room. An ABORTED entry is
     out of the index at once (the hash can be stored again); its slot stays taken, on the host tier's
     room, until the copy thread that writes into it is done (its pin), then goes back to the arena.
+    A Store holds all its new hashes from the start (reserve_lazily: each maps to the Store's one
+    `mark`, a not-ready Entry without a hash) and builds their RESERVED entries part by part (build),
+    each part's beside the copy of the part before; finish() drops the hashes never built.
 
   A READY block has two separate facts, a hold count and at most one lease:
     host copy:  NONE ─add (Store commit, disk onboard)─> RESIDENT (in the host LRU)
@@ -44,7 +47,7 @@ from kvservice.memory.host_tier import HostTier
 from kvservice.ops.stats import CounterSet
 from kvservice.placement.index import BlockIndex, DiskState, Entry, reserved_entry
 from kvservice.placement.retention import Retention
-from kvservice.core.types import NamespaceId, SessionId
+from kvservice.core.types import BlockHash, NamespaceId, SessionId
 
 
 _ENTRY_FIELDS = ("namespace", "hash", "size", "checksum", "stored_at", "deadline", "reuse", "slot", "spilling", "staged",
@@ -52,6 +55,7 @@ _ENTRY_FIELDS = ("namespace", "hash", "size", "checksum", "stored_at", "deadline
                  "lease_owner", "ready")
 assert tuple(Entry.__dataclass_fields__) == _ENTRY_FIELDS, "index.reserved_entry sets every field of Entry"
 _slot_of = operator.attrgetter("slot")
+_ready_of = operator.attrgetter("ready")
 
 
 class LeaseBook:
@@ -76,6 +80,32 @@ class LeaseBook:
         return len(self.entries)
 
 
+class Reservation:
+    """A Store's new hashes, held in the index from the start - a concurrent Store of one of them
+    waits for this one's outcome, Lookup / Load / Prefetch see them not ready - while their entries
+    are built part by part, each part's beside the copy of the part before (Lifecycle.build): every
+    hash first maps to `mark`, one shared not-ready Entry with no hash (is_mark), until its part is
+    built. Only this Store changes a hash that maps to its mark."""
+
+    __slots__ = ("blocks", "ns", "hashes", "size", "now", "mark", "entries", "done")
+
+    def __init__(self, blocks: dict[bytes, Entry], ns: NamespaceId, hashes: Sequence[bytes], size: int,
+                 now: float) -> None:
+        self.blocks, self.ns, self.hashes, self.size, self.now = blocks, ns, hashes, size, now
+        self.mark = reserved_entry(ns, BlockHash(b""), size, now)
+        self.mark.pins = 0  # holds nothing: no slot, no copy
+        self.entries: list[Entry] = []  # built so far, for hashes[:len(entries)]
+        self.done: asyncio.Future[None] | None = None  # a concurrent Store waiting for the outcome
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+
+def is_mark(e: Entry) -> bool:
+    """e is a Reservation's mark (a hash reserved by a Store whose entry is not built yet)."""
+    return not e.hash
+
+
 class Lifecycle:
     """The one place where a block changes state. tiers.Tiers and cache.BlockCache call these
     transitions; HostTier and DiskTier are the room and order books they update."""
@@ -89,6 +119,7 @@ class Lifecycle:
         self.aborted: dict[int, Entry] = {}  # rolled back, slot held until the copy writing into it ends
         self.releasing: dict[int, Entry] = {}  # released while pinned: the slot goes at the last unpin
         self._outcome: dict[int, asyncio.Future[None]] = {}  # id(reserved entry) -> resolved at commit / rollback
+        self._marks: dict[int, Reservation] = {}  # id(mark) -> its Reservation, until finish()
 
     # --- reservations (Store)
     def reserve(self, blocks: dict[bytes, Entry], ns: NamespaceId, hashes: Sequence[bytes], size: int,
@@ -105,6 +136,47 @@ class Lifecycle:
                 blocks.pop(h, None)
             return None
         return entries
+
+    def reserve_lazily(self, blocks: dict[bytes, Entry], ns: NamespaceId, hashes: Sequence[bytes], size: int,
+                       now: float) -> Reservation | None:
+        """reserve() with the entries built later, part by part (build): the hashes map to the
+        reservation's mark meanwhile. None (nothing reserved) when a hash is there twice."""
+        r = Reservation(blocks, ns, hashes, size, now)
+        before = len(blocks)
+        blocks.update(zip(hashes, repeat(r.mark)))
+        if len(blocks) - before < len(hashes):
+            for h in hashes:
+                blocks.pop(h, None)
+            return None
+        self._marks[id(r.mark)] = r
+        return r
+
+    def build(self, r: Reservation, k: int) -> list[Entry]:
+        """The entries of the next k hashes of r (RESERVED, one pin each, as reserve() makes them),
+        indexed in place of the mark."""
+        lo = len(r.entries)
+        hashes = r.hashes[lo:lo + k]
+        entries = list(map(reserved_entry, repeat(r.ns), hashes, repeat(r.size), repeat(r.now)))
+        r.blocks.update(zip(hashes, entries))
+        r.entries += entries
+        return entries
+
+    def release_unbuilt(self, r: Reservation) -> None:
+        """The hashes of r whose entries were never built leave the index (they will not be stored)."""
+        blocks, mark = r.blocks, r.mark
+        for h in r.hashes[len(r.entries):]:
+            if blocks.get(h) is mark:
+                del blocks[h]
+        r.hashes = r.hashes[:len(r.entries)]
+
+    def finish(self, r: Reservation) -> None:
+        """r's Store is over: its unbuilt hashes leave the index, its built entries not committed are
+        rolled back, and whoever waited for its outcome (outcome()) hears of it. Idempotent."""
+        self.release_unbuilt(r)
+        if not all(map(_ready_of, r.entries)):
+            self.rollback(r.entries)
+        if self._marks.pop(id(r.mark), None) is not None and r.done is not None and not r.done.done():
+            r.done.set_result(None)
 
     def place(self, entries: Sequence[Entry], offsets: Sequence[int]) -> None:
         """Reserved entries get the slots host.alloc took for them (on the tier's room already)."""
@@ -145,10 +217,20 @@ class Lifecycle:
     def outcome(self, entries: Sequence[Entry]) -> list[asyncio.Future[None]]:
         """Futures resolved when each of these reserved entries (another call's) is committed or
         rolled back; await them with asyncio.wait (a cancelled waiter must not cancel them). Then
-        entry.ready says which. An entry settled already has none."""
+        entry.ready says which. An entry settled already has none. A Reservation's mark: resolved
+        when its Store is over (then look the hash up again: stored, or not)."""
         loop = asyncio.get_running_loop()
         out = []
+        marks = set()
         for e in entries:
+            r = self._marks.get(id(e)) if is_mark(e) else None
+            if r is not None:
+                if id(r) not in marks:
+                    marks.add(id(r))
+                    if r.done is None:
+                        r.done = loop.create_future()
+                    out.append(r.done)
+                continue
             if e.ready or not self.index.holds(e):
                 continue
             f = self._outcome.get(id(e))
