@@ -81,8 +81,9 @@ class EngineMetrics:
                                           "Time a request at the head of the queue waited for its Lookup's answer",
                                           buckets=_TTFT_BUCKETS, registry=r)
         self.prefetched_blocks = counter("prefetched_blocks", "Prefetch answers per block", ("status",))
-        self.prefetch_stops = counter("prefetch_stops", "Prefetch jobs that stopped at a block the daemon did not stage, "
-                                      "by reason: lease_cap, no_room, read_failed, not_found, other", ("reason",))
+        self.prefetch_stops = counter("prefetch_stops", "Blocks a prefetch job stopped or paused at (not staged), by "
+                                      "reason: lease_cap, no_room (the job asks again), read_failed, not_found, other",
+                                      ("reason",))
         self.decisions = counter("load_decisions", "Load-or-recompute decisions for prefixes the service holds",
                                  ("decision",))
         self.loaded_blocks = counter("loaded_blocks", "Blocks loaded from the service, by tier", ("tier",))

@@ -10,8 +10,11 @@ that a cancel would waste): each chunk is in host memory as soon as it is read, 
 always a prefix of the chain (`PrefetchJob.staged`, which the scheduler reads at admission instead of
 asking the daemon again), and the request, once admitted, loads that prefix from host memory and
 recomputes or loads the rest. A job stops when its request leaves the queue (cancel), at the first
-block the daemon did not stage (a miss, a refused lease, a failed read: the chain's tail is of no use
-without it), or when the client is closed.
+block the daemon did not stage for good (a miss, a failed read: the chain's tail is of no use without
+it), or when the client is closed. A block refused for room -- the session's lease cap, a host tier
+pinned by loads and prefetches -- pauses the job instead: room comes back as queued requests load their
+leased blocks and spills complete, so it asks again from that block after RETRY_S, doubling up to
+RETRY_MAX_S, while its request is queued (the jobs behind it wait: they would be refused the same).
 
 Jobs run in the order submitted, which is the queue's order. Callbacks (metrics, wake, the staging
 rate) run on the prefetch thread. `on_rate(blocks, seconds)`: a job's blocks read from disk so far and
@@ -37,7 +40,23 @@ log = logging.getLogger(__name__)
 CHUNK_BLOCKS = 32  # blocks per Prefetch call: 64 MiB of 8B-shaped KV, ~50 ms of a 1.3 GB/s disk; a cancel (the
 # request admitted) wastes what is in flight, at most DEPTH chunks
 DEPTH = 2  # Prefetch calls in flight per job
+RETRY_S = 0.05  # a job refused for room (lease cap, no room) asks again after this, doubling up to RETRY_MAX_S
+RETRY_MAX_S = 0.8
+RETRYABLE = ("lease_cap", "no_room")  # refusals that pass: leases end as requests load, spills free room
 _USABLE = (kvcache_pb2.STAGED, kvcache_pb2.ALREADY_IN_HOST)
+
+
+def refusal_reason(status: int, message: str) -> str:
+    """The reason a Prefetch did not stage a block, from its status and the daemon's message: lease_cap
+    (this session's or all sessions' prefetch leases are at their cap), no_room (the host tier is pinned
+    by loads and prefetches), read_failed, not_found, or other."""
+    if status == kvcache_pb2.NOT_FOUND:
+        return "not_found"
+    text = message.lower()
+    for key, reason in (("cap", "lease_cap"), ("no room", "no_room"), ("read failed", "read_failed")):
+        if key in text:
+            return reason
+    return "other"
 
 
 class PrefetchJob:
@@ -63,11 +82,13 @@ class Prefetcher:
                  on_status: Callable[[int], None] = lambda status: None,
                  on_chunk: Callable[[], None] = lambda: None,
                  on_rate: Callable[[int, float], None] = lambda blocks, seconds: None,
-                 on_stop: Callable[[int, str], None] = lambda status, message: None) -> None:
+                 on_stop: Callable[[int, str], None] = lambda status, message: None,
+                 retry_s: float = RETRY_S) -> None:
         """on_status: called per block answer (a PrefetchStatus value); on_chunk: after each chunk
         (the engine's wake-up: a queued request may now find more in host memory); on_rate: see the
-        module docstring; on_stop(status, message): the block a job stopped at, with the daemon's reason
-        (the session's lease cap, no room in the host tier, a failed read; "" for NOT_FOUND)."""
+        module docstring; on_stop(status, message): a block the daemon did not stage, with its reason (the
+        session's lease cap, no room in the host tier, a failed read; "" for NOT_FOUND): the job stops, or
+        pauses and asks again (refusal_reason in RETRYABLE)."""
         if chunk_blocks < 1:
             raise ValueError(f"chunk_blocks must be >= 1, got {chunk_blocks}")
         if depth < 1:
@@ -79,6 +100,7 @@ class Prefetcher:
         self._on_chunk = on_chunk
         self._on_rate = on_rate
         self._on_stop = on_stop
+        self._retry_s = retry_s
         self._jobs: deque[PrefetchJob] = deque()
         self._cv = threading.Condition()
         self._closed = False
@@ -141,6 +163,8 @@ class Prefetcher:
         t0 = 0.0
         read = 0  # blocks of this job read from disk (STAGED), in the staged prefix
         answered = 0  # chunks answered
+        retry_from = -1  # refused for room: ask again from this block once the chunks in flight are drained
+        backoff = self._retry_s
         try:
             while True:
                 while (not broken and nxt < n and len(flight) < self._depth and job.wanted
@@ -156,13 +180,23 @@ class Prefetcher:
                     flight.append((nxt, fut))
                     nxt += self._chunk
                 if not flight:
-                    return
+                    if retry_from < 0 or not job.wanted or self._closed:
+                        return
+                    if read and answered >= 2:  # the disk rate up to the pause; measured afresh after it
+                        self._on_rate(read, time.monotonic() - t0)
+                    t0, read, answered = 0.0, 0, 0
+                    with self._cv:
+                        if not self._closed:
+                            self._cv.wait(backoff)
+                    backoff = min(2 * backoff, RETRY_MAX_S)
+                    nxt, retry_from, broken = retry_from, -1, False
+                    continue
                 lo, fut = flight.popleft()
                 try:
                     statuses = fut.result()
                 except Exception as err:  # noqa: BLE001  # refused, cancelled, client closed: the job ends
                     log.warning("prefetch failed: %s", err)
-                    broken = True
+                    broken, retry_from = True, -1
                     continue
                 for status in statuses:
                     self._on_status(status)
@@ -178,9 +212,14 @@ class Prefetcher:
                 job.staged = lo + ok
                 self._on_chunk()
                 if ok < len(statuses):
-                    broken = True  # the chain's tail is no use without this block
-                    self._on_stop(statuses[ok], getattr(statuses, "messages", {}).get(ok, ""))
-                elif answered >= 2 and answered & (answered - 1) == 0 and read:
+                    broken = True  # the chain's tail is no use without this block (until it is staged)
+                    message = getattr(statuses, "messages", {}).get(ok, "")
+                    self._on_stop(statuses[ok], message)
+                    if refusal_reason(statuses[ok], message) in RETRYABLE:
+                        retry_from = lo + ok
+                else:
+                    backoff = self._retry_s
+                if ok == len(statuses) and answered >= 2 and answered & (answered - 1) == 0 and read:
                     self._on_rate(read, time.monotonic() - t0)
         finally:
             if read and answered >= 2 and answered & (answered - 1):

@@ -56,7 +56,7 @@ from model_runner.allocator import BlockAllocator
 from model_runner.config import EngineConfig
 from model_runner.cost_model import CostModel
 from model_runner.metrics import EngineMetrics
-from model_runner.prefetcher import Prefetcher
+from model_runner.prefetcher import Prefetcher, refusal_reason
 from model_runner.radix import BlockId, Node, RadixCache
 from model_runner.requests import PendingLoad, Phase, Seq
 
@@ -607,18 +607,6 @@ class Scheduler:
         self.metrics.prefetched_blocks.labels(kvcache_pb2.PrefetchStatus.Name(status)).inc()
 
     def _prefetch_stopped(self, status: int, message: str) -> None:  # on the prefetch thread
-        reason = prefetch_stop_reason(status, message)
+        reason = refusal_reason(status, message)
         self.metrics.prefetch_stops.labels(reason).inc()
-        log.debug("prefetch job stopped (%s): %s", reason, message or kvcache_pb2.PrefetchStatus.Name(status))
-
-
-def prefetch_stop_reason(status: int, message: str) -> str:
-    """The metric label of a block a prefetch job stopped at (status, the daemon's message)."""
-    if status == kvcache_pb2.NOT_FOUND:
-        return "not_found"
-    text = message.lower()
-    for key, reason in (("cap", "lease_cap"), ("no room", "no_room"), ("read failed", "read_failed")):
-        if key in text:
-            return reason
-    return "other"
-
+        log.debug("prefetch refused (%s): %s", reason, message or kvcache_pb2.PrefetchStatus.Name(status))

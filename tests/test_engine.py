@@ -494,10 +494,10 @@ def test_admission_counts_a_prefetch_jobs_staged_prefix_as_host_without_asking_a
 def test_a_prefetched_request_loads_only_its_staged_prefix_and_recomputes_the_unstaged_disk_rest(
         daemon: Daemon, engines: Callable[..., Engine]) -> None:
     """Scenario: as above, but the daemon lets one session's prefetch leases pin 2 of the host tier's 8
-    blocks: the job leases the 2-block head (ALREADY_IN_HOST) and stops at the first block it cannot
-    stage. At admission (load_policy auto) the request loads the 2 host blocks and recomputes the 4 disk
-    blocks past them -- no disk read on its path (SGLang HiCache's best_effort prefetch) -- and its
-    timings say so; the tokens are the reference's."""
+    blocks: the job leases the 2-block head (ALREADY_IN_HOST) and is refused the next block (lease cap:
+    it pauses, to ask again later). At admission (load_policy auto) the request loads the 2 host blocks
+    and recomputes the 4 disk blocks past them -- no disk read on its path (SGLang HiCache's best_effort
+    prefetch) -- and its timings say so; the tokens are the reference's."""
     ids = tokens(80, 6 * TPB + 3)
     a = engines(daemon.target)
     run(a, ids)
@@ -517,10 +517,10 @@ def test_a_prefetched_request_loads_only_its_staged_prefix_and_recomputes_the_un
         assert seq.lookup is not None
         _, tiers = seq.lookup.result(timeout=10)
         assert tiers == [kvcache_pb2.TIER_HOST] * 2 + [kvcache_pb2.TIER_DISK] * 4
-        wait_until(lambda: seq.prefetch_job is not None and seq.prefetch_job.done, what="the prefetch job")
-        assert seq.prefetch_job is not None and seq.prefetch_job.staged == 2
-        # The job stopped at the daemon's refusal, and the engine says why.
-        assert b.registry.get_sample_value("model_runner_prefetch_stops_total", {"reason": "lease_cap"}) == 1
+        # The job stops at the daemon's refusal, and the engine says why.
+        wait_until(lambda: (b.registry.get_sample_value("model_runner_prefetch_stops_total", {"reason": "lease_cap"})
+                            or 0) >= 1, what="the lease-cap refusal")
+        assert seq.prefetch_job is not None and seq.prefetch_job.staged == 2 and not seq.prefetch_job.done
         s.admit()
         assert seq.load is not None and seq.load.tiers == [kvcache_pb2.TIER_HOST] * 2
         b.start()
@@ -532,10 +532,54 @@ def test_a_prefetched_request_loads_only_its_staged_prefix_and_recomputes_the_un
         b.stop()
 
 
+@pytest.mark.parametrize("daemon", [{"host_capacity": "64KiB", "env": {"KVSERVICE_PREFETCH_SHARE": "0.25",
+                                                                      "KVSERVICE_PREFETCH_TOTAL_SHARE": "0.25",
+                                                                      "KVSERVICE_PIN_LEASE_SECONDS": "0.5"}}],
+                         indirect=True)
+def test_a_prefetch_refused_for_its_lease_cap_asks_again_and_stages_the_rest(
+        daemon: Daemon, engines: Callable[..., Engine]) -> None:
+    """Scenario: as above (2-block lease cap), with prefetch leases that run out after 0.5 s. The job
+    leases the head, is refused at block 3 and pauses; once its leases run out it asks again from block 3
+    (not the head), two blocks at a time, until the job has staged all 6 while the request queues.
+    Admitted then, the request plans all 6 from host memory and loads them (blocks whose leases ran out
+    may have left the 8-block host tier for disk again meanwhile: the Load serves them from there); the
+    tokens are the reference's."""
+    ids = tokens(80, 6 * TPB + 3)
+    a = engines(daemon.target)
+    run(a, ids)
+    run(a, tokens(81, 8 * TPB + 3), max_tokens=2)
+    a.stop()
+    wait_until(lambda: daemon.stats().counters.spills >= 6, what="spills to disk")
+    c = engines(daemon.target, load_policy="always")
+    assert run(c, ids[: 2 * TPB + 3]).cached_by_tier["disk"] == 2 * TPB  # the head, back in host memory
+    c.stop()
+    b = Engine(EngineConfig(service=daemon.target))
+    try:
+        handle = b.submit(GenerationRequest(list(ids), max_tokens=6))
+        s = b.sched
+        while b._inbox:
+            s.enqueue(b._inbox.popleft())
+        seq = s.waiting[0]
+        wait_until(lambda: seq.prefetch_job is not None and seq.prefetch_job.staged == 6, timeout=30,
+                   what="the paused job to stage the rest")
+        refused = b.registry.get_sample_value("model_runner_prefetch_stops_total", {"reason": "lease_cap"})
+        assert refused is not None and refused >= 2  # at block 3, then at block 5
+        assert daemon.stats().counters.prefetch_staged >= 4
+        s.admit()
+        assert seq.load is not None and seq.load.tiers == [kvcache_pb2.TIER_HOST] * 6
+        b.start()
+        r = handle.result(timeout=60)
+        assert r.kv_source == "loaded" and r.cached_tokens == 6 * TPB
+        assert r.timings["staged"] == 6 and r.timings["load_host"] == 6 and r.timings.get("unstaged", 0) == 0
+        assert r.output_ids == reference(ids)
+    finally:
+        b.stop()
+
+
 def test_prefetch_stop_reasons_are_named_from_the_daemons_messages() -> None:
     """Scenario: the refusals the daemon sends for a block a prefetch did not stage map to the labels of
     model_runner_prefetch_stops_total; NOT_FOUND has no message."""
-    from model_runner.scheduler import prefetch_stop_reason
+    from model_runner.prefetcher import refusal_reason as prefetch_stop_reason
     failed = kvcache_pb2.PREFETCH_FAILED
     assert prefetch_stop_reason(kvcache_pb2.NOT_FOUND, "") == "not_found"
     assert prefetch_stop_reason(failed, "this session's prefetch leases hold 8 bytes; its cap is 4 "
