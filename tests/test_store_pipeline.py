@@ -148,12 +148,12 @@ async def test_a_part_that_does_not_fit_keeps_the_prefix(tmp_path, parts_of):
             pool.close()
 
 
-async def _hold_a_store_in_its_first_part(cache, eng, gated_gather, numbers):
+async def _hold_a_store_in_its_first_part(cache, eng, gate, numbers):
     """Start eng.store(numbers) in parts of 2 and hold it while its first part copies: its later
     hashes are reserved (the Store's mark) but their entries not built yet."""
-    gated_gather.open.clear()
+    gate.open.clear()
     task = asyncio.ensure_future(eng.store(numbers))
-    await until(lambda: gated_gather.inside >= 1, "the first part's copy")
+    await until(lambda: gate.inside >= 1, "the first part's copy")
     d = cache.tiers.index.namespace(cache._sessions.get(eng.sid).namespace)
     assert is_mark(d[h(numbers[-1])]), "the last hash should still be held by the Store's mark"
     return task

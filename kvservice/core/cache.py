@@ -559,11 +559,7 @@ class BlockCache:
         results = LoadResults(len(hs))
         on_disk_state = DiskState.ON_DISK
         found: list[Entry] = list(map(t.index.namespace(s.namespace).get, hs))
-        slots: list[int] | None = None  # of the found blocks, when all of them are host hits
-        if found and None not in found and all(map(_ready, found)):
-            slots = list(map(_slot_of, found))
-            if min(slots) < 0:
-                slots = None
+        slots = _host_slots(found)  # None unless every block is a ready host hit
         missing = [] if slots is not None else [
             i for i, e in enumerate(found) if e is None or not e.ready or (e.slot < 0 and e.disk != on_disk_state)]
         if not missing:  # every block found (the usual Load): no per-block split
@@ -997,7 +993,6 @@ _NUMPY_IDS = 256  # block ids checked with numpy from this many on (its fixed co
 PIPELINE_BLOCKS = max(1, int(os.environ.get("KVSERVICE_STORE_PART_BLOCKS", "2048")))
 PIPELINE_FIRST = 256  # the first part: the first copy starts after a short plan; parts double from it
 PIPELINE_DEPTH = 2
-_ready = operator.attrgetter("ready")
 _slot_of = operator.attrgetter("slot")
 GC_YOUNG_THRESHOLD = 50_000  # allocations between young collections (CPython's default: 700)
 
@@ -1022,6 +1017,18 @@ def _tune_gc() -> None:
     young, mid, old = gc.get_threshold()
     if young and young < GC_YOUNG_THRESHOLD:
         gc.set_threshold(GC_YOUNG_THRESHOLD, max(mid, 20), max(old, 50))
+
+
+def _host_slots(found: list[Entry | None]) -> list[int] | None:
+    """The slots of found blocks when every one is ready and in host memory, else None. A plain
+    loop: Python 3.11's specialised slot reads beat map(attrgetter) passes ~2x."""
+    slots: list[int] = []
+    add = slots.append
+    for e in found:
+        if e is None or not e.ready or e.slot < 0:
+            return None
+        add(e.slot)
+    return slots if slots else None
 
 
 def _parts(n: int) -> list[tuple[int, int]]:

@@ -39,13 +39,12 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import operator
 from itertools import repeat
 from collections.abc import Iterable, Sequence
 
 from kvservice.memory.host_tier import HostTier
 from kvservice.ops.stats import CounterSet
-from kvservice.placement.index import BlockIndex, DiskState, Entry, reserved_entry
+from kvservice.placement.index import BlockIndex, Entry, reserved_entry
 from kvservice.placement.retention import Retention
 from kvservice.core.types import BlockHash, NamespaceId, SessionId
 
@@ -54,8 +53,6 @@ _ENTRY_FIELDS = ("namespace", "hash", "size", "checksum", "stored_at", "deadline
                  "release_pending", "disk", "disk_path", "disk_loc", "disk_deadline", "pins", "lease_until",
                  "lease_owner", "ready")
 assert tuple(Entry.__dataclass_fields__) == _ENTRY_FIELDS, "index.reserved_entry sets every field of Entry"
-_slot_of = operator.attrgetter("slot")
-_ready_of = operator.attrgetter("ready")
 
 
 class LeaseBook:
@@ -173,8 +170,10 @@ class Lifecycle:
         """r's Store is over: its unbuilt hashes leave the index, its built entries not committed are
         rolled back, and whoever waited for its outcome (outcome()) hears of it. Idempotent."""
         self.release_unbuilt(r)
-        if not all(map(_ready_of, r.entries)):
-            self.rollback(r.entries)
+        for e in r.entries:
+            if not e.ready:
+                self.rollback(r.entries)
+                break
         if self._marks.pop(id(r.mark), None) is not None and r.done is not None and not r.done.done():
             r.done.set_result(None)
 
@@ -318,8 +317,10 @@ class Lifecycle:
         else:
             plain = entries
         if plain:
-            free = list(map(_slot_of, plain))
-            for e in plain:
+            free = []
+            add = free.append
+            for e in plain:  # a plain loop: faster than map(attrgetter) on slotted entries
+                add(e.slot)
                 e.slot = -1
             host.arena.free(free, size)
             host.used_bytes -= len(free) * size

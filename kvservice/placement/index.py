@@ -8,7 +8,6 @@ Tiers keep their own ordering structures (LRU, deadline heap) over the same entr
 from __future__ import annotations
 
 import enum
-import operator
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -74,8 +73,6 @@ class Entry:
 
 
 _new = object.__new__
-_ready_of = operator.attrgetter("ready")
-_slot_of = operator.attrgetter("slot")
 
 
 def reserved_entry(namespace: NamespaceId, hash: BlockHash, size: int, stored_at: float) -> Entry:
@@ -125,31 +122,24 @@ class BlockIndex:
 
     def prefix_tiers(self, ns: NamespaceId, hashes: Sequence[bytes]) -> list[int]:
         """Tier value (HOST / DISK) of each block of the stored prefix of a chain: stops at the
-        first hash that is not stored (or not ready). C-level passes over the batch (lookups,
-        readiness, slots); a Python step per block only past the first block not in host memory."""
+        first hash that is not stored (or not ready). A plain loop: Python 3.11's specialised slot
+        reads make it ~2x faster than C-level map(attrgetter) passes over the batch."""
         d = self._by_ns.get(ns)
         if d is None:
             return []
-        found = list(map(d.get, hashes))
-        if None in found:
-            del found[found.index(None):]
-        ready = list(map(_ready_of, found))
-        if False in ready:
-            del found[ready.index(False):]
-        if not found:
-            return []
-        slots = list(map(_slot_of, found))
-        host = int(Tier.HOST)
-        if min(slots) >= 0:
-            return [host] * len(found)
-        k = next(i for i, off in enumerate(slots) if off < 0)
-        out = [host] * k
-        on_disk, disk = DiskState.ON_DISK, int(Tier.DISK)
-        for e, off in zip(found[k:], slots[k:]):
-            if off >= 0:
-                out.append(host)
+        get = d.get
+        on_disk = DiskState.ON_DISK
+        host, disk = int(Tier.HOST), int(Tier.DISK)
+        out: list[int] = []
+        add = out.append
+        for h in hashes:
+            e = get(h)
+            if e is None or not e.ready:
+                break
+            if e.slot >= 0:
+                add(host)
             elif e.disk == on_disk:
-                out.append(disk)
+                add(disk)
             else:
                 break
         return out
