@@ -401,6 +401,26 @@ def test_a_damaged_slot_is_a_checksum_fault(tmp_path):
     store.close()
 
 
+def test_a_damaged_slot_read_into_host_slots_is_a_checksum_fault(tmp_path):
+    """The same through HostSlots (the daemon's read into its arena), at the sizes whose check runs
+    with the GIL released (64 KiB) and below it (4 KiB): only the damaged block faults."""
+    from kvservice.disk.batch_io import HostSlots
+    for size in (64 * KiB, 4 * KiB):
+        store = open_store(tmp_path / f"disk-{size}")
+        locs, _ = spill(store, [1, 2, 3], size)
+        f = store._files[split_loc(locs[1])[0]]
+        with open(f.path, "r+b") as fh:
+            fh.seek(f.offset(split_loc(locs[1])[1]) + size - 5)
+            fh.write(b"\x00\xff")
+        os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        out = aligned_buffer(3 * size)
+        faults = store.read(locs, HostSlots(out, np.arange(3, dtype=np.int64) * size, np.full(3, size, np.int64)))
+        assert faults[0] is None and faults[2] is None, faults
+        assert faults[1].kind == FaultKind.CHECKSUM and "fails its checksum" in faults[1].message
+        assert np.array_equal(out[:size], content(1, size)) and np.array_equal(out[2 * size:], content(3, size))
+        store.close()
+
+
 # --- crash consistency: real kill -9 of a writer process
 
 _WRITER = textwrap.dedent("""

@@ -586,8 +586,9 @@ class Tiers:
             await asyncio.gather(*(self._write_job(e) for e in batch))
             return
         live = []
+        holds = self.index.holds
         for e in batch:
-            if self.index.get_any(e.key) is not e or e.disk != DiskState.QUEUED or not e.in_memory:
+            if not holds(e) or e.disk != DiskState.QUEUED or not e.in_memory:
                 self._abandon_spill(e)  # evicted while queued
             else:
                 live.append(e)
@@ -678,7 +679,7 @@ class Tiers:
             log.warning("spill of %s failed (%s): %s", e.key.hash.hex()[:16], fault.kind.value, fault.message)
             self._spill_failed(e)
             return False
-        if self.index.get_any(e.key) is not e or e.disk != DiskState.QUEUED:  # evicted while written
+        if not self.index.holds(e) or e.disk != DiskState.QUEUED:  # evicted while written
             self.segments.free(loc)
             e.disk_loc = -1
             self._abandon_spill(e)
