@@ -1,16 +1,17 @@
 """A Load whose disk blocks find no free or clean host slot (the host tier full of blocks not yet
 spilled) reads them into scratch buffers, serves them from there, and onboards them after the
 reply as one batch (Tiers.onboard_many): one host-room plan for all of them (their victims spill
-together), the copies into the host slots made off the loop. Core-level, on real segment files;
-a copy is held at its one Python boundary (tiers._copy_rows) to cancel it mid-way."""
+together), the slots taken, filled and given to their blocks with no await in between.
+Core-level, on real segment files; the victims' spill writes are held at the segment I/O
+boundary (os_pwritev) to cancel the onboarding while it waits for them."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 
-from kvservice.core import tiers as tiers_mod
 from kvservice.core.types import LoadStatus, Tier
+from kvservice.disk import segment
 from kvservice.placement.index import DiskState
 from tests.corekit import BLOCK, Engine, Pool, h, small_config, started_cache
 
@@ -72,18 +73,20 @@ async def test_a_load_into_a_dirty_host_tier_is_onboarded_as_one_batch(tmp_path,
             pool.close()
 
 
-async def test_an_onboard_cancelled_during_its_copy_gives_its_slots_back_once_the_copy_ends(tmp_path, monkeypatch):
-    """Scenario: the batch's copy into the host slots is held at _copy_rows and its task is
-    cancelled (the daemon stopping): the slots are not handed out while the copy still writes
-    them; once it ends they are free again, no block claims them, the accounts balance, and the
-    blocks still load byte-exact from disk."""
+async def test_an_onboard_cancelled_while_its_victims_spill_holds_no_slot_and_leaves_nothing_half_made(
+        tmp_path, monkeypatch):
+    """Scenario: the batch's victims' spill writes are held at the segment I/O boundary, so the
+    onboarding waits for their room after the Load's reply; meanwhile it holds no host slot that
+    no block owns (the core's accounts balance between calls, as the property machine checks);
+    its task is cancelled (the daemon stopping), the writes let go: nothing is half-made, the
+    victims end on disk, and the Load's blocks still load byte-exact from disk."""
     gate, entered = threading.Event(), threading.Event()
-    real_copy = tiers_mod._copy_rows
+    real_write = segment.os_pwritev
 
-    def held(rows, srcs):
+    def held(fd, bufs, off):
         entered.set()
         gate.wait(10)
-        real_copy(rows, srcs)
+        return real_write(fd, bufs, off)
 
     cfg = small_config(tmp_path, disk_blocks=4 * N, host_capacity_bytes=N * BLOCK)
     try:
@@ -92,22 +95,23 @@ async def test_an_onboard_cancelled_during_its_copy_gives_its_slots_back_once_th
             try:
                 eng = Engine(cache, pool)
                 await _dirty_host(cache, eng)
-                monkeypatch.setattr(tiers_mod, "_copy_rows", held)
-                res = await eng.load(list(range(N)))
-                assert all(r.status == LoadStatus.LOADED for r in res)
+                monkeypatch.setattr(segment, "os_pwritev", held)
+                await eng.store(list(range(2 * N, 3 * N)))  # 16..31 fill the spill staging budget, their writes held
                 while not entered.is_set():
                     await asyncio.sleep(0.005)
-                loose = cache.tiers.host.loose_bytes
-                assert loose == N * BLOCK  # taken for the copy, given to no block yet
+                res = await eng.load(list(range(N)))  # no clean slot: served from scratch
+                assert [(r.status, r.tier) for r in res] == [(LoadStatus.LOADED, Tier.DISK)] * N
+                await asyncio.sleep(0.05)  # the onboarding now waits for its victims' (32..47) spills
+                assert cache._background and all(_get(cache, i).slot < 0 for i in range(N))
+                assert cache.tiers.host.loose_bytes == 0
+                host = sum(e.size for e in cache.tiers.index.values() if e.host_buf is not None)
+                assert host == cache.tiers.host.used_bytes
                 for task in list(cache._background):
                     task.cancel()
-                await asyncio.sleep(0.02)
-                assert cache.tiers.host.loose_bytes == loose  # the copy still writes them
                 gate.set()
-                while cache.tiers.host.loose_bytes:
-                    await asyncio.sleep(0.005)
-                monkeypatch.setattr(tiers_mod, "_copy_rows", real_copy)
+                monkeypatch.setattr(segment, "os_pwritev", real_write)
                 await _settled(cache)
+                assert cache.tiers.host.loose_bytes == 0
                 assert all(_get(cache, i).slot < 0 for i in range(N))  # not onboarded
                 assert cache.audit() == []
                 res = await eng.load(list(range(N)))

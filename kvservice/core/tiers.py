@@ -524,18 +524,18 @@ class Tiers:
     async def onboard_many(self, entries: list[Entry], bufs: list[torch.Tensor]) -> int:
         """onboard_evicting for a batch (a Load's disk blocks that found no free or clean host
         slot and landed in scratch buffers): per block size one make_host_room (the victims'
-        spills queued together), one wait for their room, slots taken at once and the copies made
-        off the loop in one job (read_batch's pattern: a slot is given to its block only once its
-        bytes are in). A block that left the index or got a host copy meanwhile is skipped.
-        Returns how many blocks were onboarded."""
-        loop = asyncio.get_running_loop()
+        spills queued together), one wait for their room, then the slots taken, filled and given
+        to their blocks at once. A block that left the index or got a host copy meanwhile is
+        skipped. Returns how many blocks were onboarded."""
         holds = self.index.holds
         done = 0
         by_size: dict[int, list[int]] = {}
         for i, e in enumerate(entries):
             by_size.setdefault(e.size, []).append(i)
         for size, idxs in by_size.items():
-            live = [i for i in idxs if holds(entries[i]) and not entries[i].in_memory]
+            seen: set[int] = set()  # the same block twice: onboarded once
+            live = [i for i in idxs if holds(entries[i]) and not entries[i].in_memory
+                    and not (id(entries[i]) in seen or seen.add(id(entries[i])))]
             if not live:
                 continue
             if self.host.placeable(size) < len(live):
@@ -549,33 +549,14 @@ class Tiers:
             offsets = self.host.alloc(size, k) if k else None
             if not offsets:
                 continue
-            live = live[:k]
-            rows = [self.host.arena.row(off, size) for off in offsets]
-            srcs = [bufs[i].view(torch.uint8).reshape(-1) for i in live]
-            job = loop.run_in_executor(self.reader_pool, _copy_rows, rows, srcs)
-            try:
-                await asyncio.shield(job)
-            except asyncio.CancelledError:  # the copy still writes the slots: they go back once it ends
-                job.add_done_callback(lambda _, offs=offsets: self.host.free(offs, size))
-                raise
-            except BaseException:
-                self.host.free(offsets, size)
-                raise
-            adds, add_offs, spare, seen = [], [], [], set()
-            for i, off in zip(live, offsets):
-                e = entries[i]
-                if holds(e) and not e.in_memory and id(e) not in seen:
-                    seen.add(id(e))
-                    adds.append(e)
-                    add_offs.append(off)
-                else:
-                    spare.append(off)
-            if spare:
-                self.host.free(spare, size)
-            if adds:
-                self.life.add(adds, add_offs)
-                self._count_by_ns(adds, "disk_onboards")
-                done += len(adds)
+            adds = [entries[i] for i in live[:k]]
+            # copied here, with no await between taking the slots and giving them to their blocks
+            # (as onboard() does): a slot is never held by nobody across an await
+            _copy_rows([self.host.arena.row(off, size) for off in offsets],
+                       [bufs[i].view(torch.uint8).reshape(-1) for i in live[:k]])
+            self.life.add(adds, offsets)
+            self._count_by_ns(adds, "disk_onboards")
+            done += len(adds)
         return done
 
     # --- disk tier
