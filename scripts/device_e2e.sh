@@ -1,26 +1,36 @@
 #!/usr/bin/env bash
-# One device call for the engine-level GPU checks and the end-to-end benchmark (BENCHMARKS.md):
-# install the carried wheels, run the model_runner GPU tests, then bench/e2e_multiround.py with
-# LMBenchmark's multi-round-qa.py when a copy of it is carried in .lmbenchmark/.
-#   OUT=/tmp/out bash scripts/device_e2e.sh [extra bench/e2e_multiround.py args...]
+# Issue 14's end-to-end measurements on a GPU host, one device call, results under $OUT/e2e:
+#   bash scripts/device_e2e.sh host          recompute vs the host tier (the 5x line) and the disk pair
+#   bash scripts/device_e2e.sh disk          the disk pair only (prefetch 4 vs 0), DISK_ORDER=p4|p0 first
+#   bash scripts/device_e2e.sh noreuse       no reuse (ABBA cycles) and round-0 misses one at a time
+#   bash scripts/device_e2e.sh decode        bench/decode.py: eager vs CUDA-graph decode step
+# 8B shape, 8 users x 6 rounds (LMBenchmark multi-round QA, 16k-token histories), engines pinned to their own
+# cores (--pin-cpus); DISK_RATE (default 1.2) is the disk setting's arrival rate factor. The commands are those of
+# BENCHMARKS.md "End to end on the H200, v6". Pool the disk target over runs in both orders with
+# `python3 bench/e2e_pool.py A/results.json B/results.json`. Wheels the device lacks: .whl/*.whl -> /tmp/site.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvservice-device-out}
 mkdir -p "$OUT"
-exec > >(tee -a "$OUT/run.log") 2>&1
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if ls .whl/*.whl >/dev/null 2>&1; then  # the image lacks kvikio, grpc reflection/health, fastapi, openai...
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
+export PYTHONUNBUFFERED=1
+WHL=${WHL_DIR:-.whl}
+if [[ -z ${SKIP_WHEELS:-} ]] && ls "$WHL"/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHL"/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-date -u; nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv,noheader
-python3 -c "import torch, fastapi, uvicorn, openai; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-echo "== model_runner GPU tests"
-timeout 150 python3 -m pytest -m gpu -q -rA -p no:cacheprovider tests/test_gpu_model.py -k "host" 2>&1 | tail -25
-echo "== end-to-end benchmark"
-lmb=()
-[[ -f .lmbenchmark/multi-round-qa.py ]] && lmb=(--lmbenchmark .lmbenchmark)
-timeout -k 15 480 python3 bench/e2e_multiround.py --model 8b --device cuda --out "$OUT/e2e" "${lmb[@]}" "$@"
-echo "== done rc=$?"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+RATE=${DISK_RATE:-1.2}
+if [[ ${DISK_ORDER:-p4} == p4 ]]; then PAIR=disk_p4,disk_p0; else PAIR=disk_p0,disk_p4; fi
+COMMON=(--model 8b --device cuda --out "$OUT/e2e" --users 8 --rounds 6 --disk-rate-factor "$RATE"
+        --disk-round0-rate-factor 0.3 --disk-host-prompts 3 --prefetch-share 0.6 --disk-format segments --pin-cpus)
+case ${1:-disk} in
+  host) timeout 560 python3 bench/e2e_multiround.py "${COMMON[@]}" --configs "recompute,host,$PAIR" --config-timeout 90 ;;
+  disk) timeout 400 python3 bench/e2e_multiround.py "${COMMON[@]}" --configs "$PAIR" --config-timeout 100 ;;
+  noreuse) timeout 300 python3 bench/e2e_multiround.py "${COMMON[@]}" --configs no_reuse --no-reuse-half-seconds 5 \
+             --no-reuse-cycles 3 --miss-probe 10 --config-timeout 100 ;;
+  decode) timeout 120 python3 bench/decode.py --model 8b --contexts 512 2048 8192 16384 --out "$OUT/decode" ;;
+  *) echo "usage: $0 host|disk|noreuse|decode" >&2; exit 2 ;;
+esac
+rc=$?
+[[ -f $OUT/e2e/results.md ]] && grep -A9 "## Targets" "$OUT/e2e/results.md"
+exit $rc
