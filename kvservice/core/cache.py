@@ -232,9 +232,11 @@ class BlockCache:
         return hs
 
     def _block_ids(self, s: Session, n: int, block_ids: Sequence[int]) -> list[int]:
-        """Engine block ids, one per hash, inside the session's pool, none twice. A large batch is
-        checked with numpy (range, and duplicates by marking a table of the pool's blocks)."""
-        if n >= _NUMPY_IDS and len(block_ids) == n:
+        """Engine block ids, one per hash, inside the session's pool, none twice. A large batch off
+        the wire (a protobuf repeated field: numpy reads it without a Python int per id) is checked
+        with numpy (range, and duplicates by marking a table of the pool's blocks): ~0.02 vs ~0.07 us
+        a block; a list (in-process callers) is as fast through the Python checks."""
+        if n >= _NUMPY_IDS and not isinstance(block_ids, list) and len(block_ids) == n:
             try:
                 a = np.asarray(block_ids)
             except (OverflowError, ValueError, TypeError):
