@@ -124,8 +124,10 @@ def test_stats_write_queue_fields_over_the_wire() -> None:
                 seen.append((s.write_queue_depth, s.writes_in_progress, s.write_queue_high_water))
                 time.sleep(0.02)
             assert all(w <= 4 and p <= 5 for w, p, _ in seen), seen
-            deadline = time.monotonic() + 30
-            while (s := d.stats()).counters.spills < 32 and time.monotonic() < deadline:
+            deadline = time.monotonic() + 30  # the spill count lands when a batch settles, its writer slot
+            # ends when the writer task resumes: poll for both, not one then the other
+            while ((s := d.stats()).counters.spills < 32 or s.write_queue_depth or s.writes_in_progress) \
+                    and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert s.counters.spills == 32
             assert (s.write_queue_depth, s.writes_in_progress) == (0, 0)
