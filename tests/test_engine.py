@@ -18,6 +18,7 @@ from kvwire.v1 import kvcache_pb2
 from model_runner.config import EngineConfig
 from model_runner.engine import Engine, GenerationRequest, GenerationResult
 from model_runner.prefetcher import Prefetcher
+from model_runner.requests import RequestHandle, Seq
 from tests.daemon_kit import Daemon
 
 TPB = 16
@@ -441,6 +442,30 @@ def test_prefetcher_stages_a_chain_head_first_in_chunks_up_to_its_first_gap(
     assert r.output_ids == reference(ids, 2)
 
 
+def head_in_host_rest_on_disk(daemon: Daemon, engines: Callable[..., Engine]) -> list[int]:
+    """A 6-block prompt (+3 tokens) whose 2-block head is in the daemon's 8-block host tier and the rest on
+    disk: written through by one engine, pushed to disk by an 8-block prompt, its head loaded back."""
+    ids = tokens(80, 6 * TPB + 3)
+    a = engines(daemon.target)
+    run(a, ids)
+    run(a, tokens(81, 8 * TPB + 3), max_tokens=2)
+    a.stop()
+    wait_until(lambda: daemon.stats().counters.spills >= 6, what="spills to disk")
+    c = engines(daemon.target, load_policy="always")
+    assert run(c, ids[: 2 * TPB + 3]).cached_by_tier["disk"] == 2 * TPB  # the head, back in host memory
+    c.stop()
+    return ids
+
+
+def enqueue_by_hand(e: Engine, ids: list[int]) -> tuple[RequestHandle, Seq]:
+    """Submit ids (6 tokens out) to an engine whose loop is not started and enqueue it: its Lookup (and a
+    prefetch job) go out; admission is the test's to call."""
+    handle = e.submit(GenerationRequest(list(ids), max_tokens=6))
+    while e._inbox:
+        e.sched.enqueue(e._inbox.popleft())
+    return handle, e.sched.waiting[0]
+
+
 @pytest.mark.parametrize("daemon", [{"host_capacity": "64KiB", "env": {"KVSERVICE_PREFETCH_SHARE": "1",
                                                                       "KVSERVICE_PREFETCH_TOTAL_SHARE": "1"}}],
                          indirect=True)
@@ -452,22 +477,11 @@ def test_admission_counts_a_prefetch_jobs_staged_prefix_as_host_without_asking_a
     rest STAGED. At admission the scheduler plans the Load from what the job staged -- every block from
     the host tier -- without a second Lookup (a round trip on the head's path, slow while prefetch reads
     are in flight); the Load comes from host memory and the tokens are the reference's."""
-    ids = tokens(80, 6 * TPB + 3)
-    a = engines(daemon.target)
-    run(a, ids)
-    run(a, tokens(81, 8 * TPB + 3), max_tokens=2)
-    a.stop()
-    wait_until(lambda: daemon.stats().counters.spills >= 6, what="spills to disk")
-    c = engines(daemon.target, load_policy="always")
-    assert run(c, ids[: 2 * TPB + 3]).cached_by_tier["disk"] == 2 * TPB  # the head, back in host memory
-    c.stop()
+    ids = head_in_host_rest_on_disk(daemon, engines)
     b = Engine(EngineConfig(service=daemon.target, load_policy="always"))
     try:
-        handle = b.submit(GenerationRequest(list(ids), max_tokens=6))
+        handle, seq = enqueue_by_hand(b, ids)
         s = b.sched
-        while b._inbox:
-            s.enqueue(b._inbox.popleft())
-        seq = s.waiting[0]
         assert seq.lookup is not None
         _, tiers = seq.lookup.result(timeout=10)
         assert tiers == [kvcache_pb2.TIER_HOST] * 2 + [kvcache_pb2.TIER_DISK] * 4
@@ -498,22 +512,11 @@ def test_a_prefetched_request_loads_only_its_staged_prefix_and_recomputes_the_un
     it pauses, to ask again later). At admission (load_policy auto) the request loads the 2 host blocks
     and recomputes the 4 disk blocks past them -- no disk read on its path (SGLang HiCache's best_effort
     prefetch) -- and its timings say so; the tokens are the reference's."""
-    ids = tokens(80, 6 * TPB + 3)
-    a = engines(daemon.target)
-    run(a, ids)
-    run(a, tokens(81, 8 * TPB + 3), max_tokens=2)
-    a.stop()
-    wait_until(lambda: daemon.stats().counters.spills >= 6, what="spills to disk")
-    c = engines(daemon.target, load_policy="always")
-    assert run(c, ids[: 2 * TPB + 3]).cached_by_tier["disk"] == 2 * TPB  # the head, back in host memory
-    c.stop()
+    ids = head_in_host_rest_on_disk(daemon, engines)
     b = Engine(EngineConfig(service=daemon.target))
     try:
-        handle = b.submit(GenerationRequest(list(ids), max_tokens=6))
+        handle, seq = enqueue_by_hand(b, ids)
         s = b.sched
-        while b._inbox:
-            s.enqueue(b._inbox.popleft())
-        seq = s.waiting[0]
         assert seq.lookup is not None
         _, tiers = seq.lookup.result(timeout=10)
         assert tiers == [kvcache_pb2.TIER_HOST] * 2 + [kvcache_pb2.TIER_DISK] * 4
@@ -544,22 +547,11 @@ def test_a_prefetch_refused_for_its_lease_cap_asks_again_and_stages_the_rest(
     Admitted then, the request plans all 6 from host memory and loads them (blocks whose leases ran out
     may have left the 8-block host tier for disk again meanwhile: the Load serves them from there); the
     tokens are the reference's."""
-    ids = tokens(80, 6 * TPB + 3)
-    a = engines(daemon.target)
-    run(a, ids)
-    run(a, tokens(81, 8 * TPB + 3), max_tokens=2)
-    a.stop()
-    wait_until(lambda: daemon.stats().counters.spills >= 6, what="spills to disk")
-    c = engines(daemon.target, load_policy="always")
-    assert run(c, ids[: 2 * TPB + 3]).cached_by_tier["disk"] == 2 * TPB  # the head, back in host memory
-    c.stop()
+    ids = head_in_host_rest_on_disk(daemon, engines)
     b = Engine(EngineConfig(service=daemon.target))
     try:
-        handle = b.submit(GenerationRequest(list(ids), max_tokens=6))
+        handle, seq = enqueue_by_hand(b, ids)
         s = b.sched
-        while b._inbox:
-            s.enqueue(b._inbox.popleft())
-        seq = s.waiting[0]
         wait_until(lambda: seq.prefetch_job is not None and seq.prefetch_job.staged == 6, timeout=30,
                    what="the paused job to stage the rest")
         refused = b.registry.get_sample_value("model_runner_prefetch_stops_total", {"reason": "lease_cap"})

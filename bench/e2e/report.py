@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -272,17 +273,14 @@ def render_md(results: dict) -> str:
             L.append("| configuration | pairs | p50 / p90 TTFT ms | reusable | gpu / host / disk | recomputed | "
                      "kv_source | prefetch staged / used / wasted (daemon) | engine: disk GB/s, prefill tok/s |")
             L.append("| --- | ---: | --- | ---: | --- | ---: | --- | --- | --- |")
-            for n in ("disk_p4", "disk_p0"):
-                if n not in cfg:
-                    continue
+            pairs = {n: [x for x in cfg[n]["requests_detail"] if x.get("ok") and (x["user"], x["round"]) in keys]
+                     for n in ("disk_p4", "disk_p0") if n in cfg}
+            for n, det in pairs.items():
                 r = cfg[n]
-                det = [x for x in r["requests_detail"] if x.get("ok") and (x["user"], x["round"]) in keys]
                 tt = [x["ttft_ms"] for x in det]
                 by = {t: sum(x["by_tier"].get(t, 0) for x in det) for t in ("gpu", "host", "disk")}
                 reusable = sum(x["reusable_tokens"] for x in det)
-                src: dict[str, int] = {}
-                for x in det:
-                    src[x["kv_source"]] = src.get(x["kv_source"], 0) + 1
+                src = Counter(x["kv_source"] for x in det)
                 dd, em = r.get("daemon") or {}, r.get("engine_metrics", {})
                 bw = em.get('model_runner_load_bandwidth_bytes_per_second{tier="disk"}')
                 L.append(f"| {r['label']} | {len(det)} | {fmt(pct(tt, 50), 0)} / {fmt(pct(tt, 90), 0)} | {reusable} | "
@@ -297,20 +295,15 @@ def render_md(results: dict) -> str:
             L.append("| configuration | queued | loading | to first token | planned host / disk blocks | staged | plans "
                      "| prefetch jobs stopped by (whole run) |")
             L.append("| --- | ---: | ---: | ---: | --- | ---: | --- | --- |")
-            for n in ("disk_p4", "disk_p0"):
-                if n not in cfg:
-                    continue
-                det = [x["timings"] for x in cfg[n]["requests_detail"]
-                       if x.get("ok") and (x["user"], x["round"]) in keys and x.get("timings")]
+            for n, recs in pairs.items():
+                det = [x["timings"] for x in recs if x.get("timings")]
                 if not det:
                     continue
 
                 def mean(k: str) -> float:
                     return sum(float(t.get(k, 0)) for t in det) / len(det)
 
-                plans: dict[str, int] = {}
-                for t in det:
-                    plans[str(t.get("plan") or "none")] = plans.get(str(t.get("plan") or "none"), 0) + 1
+                plans = Counter(str(t.get("plan") or "none") for t in det)
                 L.append(f"| {cfg[n]['label']} | {mean('queued'):.0f} | {mean('loading'):.0f} | {mean('to_first'):.0f} | "
                          f"{sum(int(t.get('load_host', 0)) for t in det)} / {sum(int(t.get('load_disk', 0)) for t in det)} | "
                          f"{sum(int(t.get('staged', 0)) for t in det)} | "
