@@ -568,6 +568,29 @@ def test_a_prefetch_refused_for_its_lease_cap_asks_again_and_stages_the_rest(
         b.stop()
 
 
+@pytest.mark.parametrize("daemon", [{"host_capacity": "64KiB", "env": {"KVSERVICE_PREFETCH_SHARE": "0.25",
+                                                                      "KVSERVICE_PREFETCH_TOTAL_SHARE": "0.25"}}],
+                         indirect=True)
+def test_an_engine_stopped_while_its_prefetch_job_is_paused_ends_it(
+        daemon: Daemon, engines: Callable[..., Engine]) -> None:
+    """Scenario: a queued request's prefetch job is paused at its lease cap (its own head leases hold the
+    cap for their 10 s) when the engine stops: stop() returns, the prefetch thread has ended, the request
+    fails with "engine stopped", and the daemon closes the engine's session (its leases end with it)."""
+    ids = head_in_host_rest_on_disk(daemon, engines)
+    b = Engine(EngineConfig(service=daemon.target))
+    handle, seq = enqueue_by_hand(b, ids)
+    wait_until(lambda: (b.registry.get_sample_value("model_runner_prefetch_stops_total", {"reason": "lease_cap"})
+                        or 0) >= 1, what="the lease-cap refusal")
+    assert seq.prefetch_job is not None and not seq.prefetch_job.done
+    sessions = daemon.stats().sessions
+    b.stop()
+    prefetcher = b.sched.prefetcher
+    assert prefetcher is not None and prefetcher._thread is not None and not prefetcher._thread.is_alive()
+    with pytest.raises(RuntimeError, match="engine stopped"):
+        handle.result(timeout=5)
+    wait_until(lambda: daemon.stats().sessions == sessions - 1, what="the session to close")
+
+
 def test_prefetch_stop_reasons_are_named_from_the_daemons_messages() -> None:
     """Scenario: the refusals the daemon sends for a block a prefetch did not stage map to the labels of
     model_runner_prefetch_stops_total; NOT_FOUND has no message."""
