@@ -79,12 +79,13 @@ class PrefetchJob:
 
 class Prefetcher:
     def __init__(self, client: KVClient, *, chunk_blocks: int = CHUNK_BLOCKS, depth: int = DEPTH,
-                 on_status: Callable[[int], None] = lambda status: None,
+                 on_statuses: Callable[[Sequence[int]], None] = lambda statuses: None,
                  on_chunk: Callable[[], None] = lambda: None,
                  on_rate: Callable[[int, float], None] = lambda blocks, seconds: None,
                  on_stop: Callable[[int, str], None] = lambda status, message: None,
                  retry_s: float = RETRY_S) -> None:
-        """on_status: called per block answer (a PrefetchStatus value); on_chunk: after each chunk
+        """on_statuses: called once per chunk answer with its PrefetchStatus values (count them there, not a
+        call per block: it runs on this thread while the engine loop wants the GIL); on_chunk: after each chunk
         (the engine's wake-up: a queued request may now find more in host memory); on_rate: see the
         module docstring; on_stop(status, message): a block the daemon did not stage, with its reason (the
         session's lease cap, no room in the host tier, a failed read; "" for NOT_FOUND): the job stops, or
@@ -96,7 +97,7 @@ class Prefetcher:
         self._client = client
         self._chunk = chunk_blocks
         self._depth = depth
-        self._on_status = on_status
+        self._on_statuses = on_statuses
         self._on_chunk = on_chunk
         self._on_rate = on_rate
         self._on_stop = on_stop
@@ -198,8 +199,7 @@ class Prefetcher:
                     log.warning("prefetch failed: %s", err)
                     broken, retry_from = True, -1
                     continue
-                for status in statuses:
-                    self._on_status(status)
+                self._on_statuses(statuses)
                 answered += 1
                 if broken or lo != job.staged:
                     continue  # behind a gap: of no use (its leases run out)

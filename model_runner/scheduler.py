@@ -41,14 +41,14 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from engine_client.client import UNREACHABLE
 from engine_client.errors import KVClientError
 from engine_client.hashing import BlockHasher
-from engine_client.results import StoreResults
+from engine_client.results import LoadResults, StoreResults
 from engine_client.sync_client import KVClient
 from kvwire.ids import BlockHash
 from kvwire.v1 import kvcache_pb2
@@ -105,7 +105,7 @@ class Scheduler:
         self._prefetch_lock = threading.Lock()  # prefetch decisions: the loop's and Lookup callbacks'
         self._staging: deque[tuple[int, float]] = deque()  # (blocks, seconds) of prefetch jobs' disk reads
         if client is not None:
-            self.prefetcher = Prefetcher(client, on_status=self._count_prefetched, on_chunk=wake,
+            self.prefetcher = Prefetcher(client, on_statuses=self._count_prefetched, on_chunk=wake,
                                          on_rate=lambda blocks, seconds: self._staging.append((blocks, seconds)),
                                          on_stop=self._prefetch_stopped)
 
@@ -247,27 +247,27 @@ class Scheduler:
             load, seq.load = seq.load, None
             assert load is not None
             try:
-                results = list(load.future.result())
+                res = load.future.result()
+                # the reply's arrays, not a LoadResult object per block (the loop thread's time)
+                statuses, tiers = ((res.statuses, res.tiers) if isinstance(res, LoadResults)
+                                   else ([r.status for r in res], [r.tier for r in res]))
             except Exception as err:  # noqa: BLE001  # a refused load is a miss: recompute
                 log.warning("load for %s failed: %s", seq.req.request_id, err)
-                results = []
-            ok = 0
-            for r in results:
-                if r.status != kvcache_pb2.LOADED:
-                    break
-                tier = TIER_NAMES.get(r.tier, "host")
-                seq.cached_by_tier[tier] += self.tpb
-                self.metrics.loaded_blocks.labels(tier).inc()
-                ok += 1
+                res, statuses, tiers = None, [], []
+            ok = next((i for i, st in enumerate(statuses) if st != kvcache_pb2.LOADED), len(statuses))
+            for t, n in Counter(tiers[:ok]).items():
+                tier = TIER_NAMES.get(t, "host")
+                seq.cached_by_tier[tier] += n * self.tpb
+                self.metrics.loaded_blocks.labels(tier).inc(n)
             asked = len(load.tiers)
             if ok == asked:
                 seq.kv_source = "loaded"
                 seconds = (load.t_done or time.monotonic()) - load.t_start
-                self.cost.observe_load([r.tier for r in results], self.block_bytes, seconds)
+                self.cost.observe_load(tiers, self.block_bytes, seconds)
                 for tier, bw in self.cost.bandwidth.items():
                     self.metrics.load_bandwidth.labels(TIER_NAMES.get(tier, str(tier))).set(bw)
             else:
-                down = not results or any(r.message == UNREACHABLE for r in results[ok:])
+                down = not statuses or any(res[i].message == UNREACHABLE for i in range(ok, len(statuses)))
                 seq.kv_source = "recomputed:service-down" if down else "recomputed:load-failed"
                 self.metrics.load_failures.inc(asked - ok)
             if ok:
@@ -596,15 +596,19 @@ class Scheduler:
     def _store_done(self, reason: str) -> Callable[[concurrent.futures.Future[Any]], None]:
         def done(fut: concurrent.futures.Future[StoreResults]) -> None:
             try:
-                for r in fut.result():
-                    self.metrics.stored_blocks.labels(reason, kvcache_pb2.StoreStatus.Name(r.status)).inc()
+                # counted, not a metric call per block: this runs on the KVClient's thread, and ~1000
+                # labels().inc() calls (a 16k-token prompt) hold the GIL for milliseconds the engine
+                # loop waits for
+                for status, n in Counter(fut.result().statuses).items():
+                    self.metrics.stored_blocks.labels(reason, kvcache_pb2.StoreStatus.Name(status)).inc(n)
             except Exception as err:  # noqa: BLE001
                 log.warning("%s store failed: %s", reason, err)
             self.wake()
         return done
 
-    def _count_prefetched(self, status: int) -> None:  # on the prefetch thread
-        self.metrics.prefetched_blocks.labels(kvcache_pb2.PrefetchStatus.Name(status)).inc()
+    def _count_prefetched(self, statuses: Sequence[int]) -> None:  # on the prefetch thread, once a chunk
+        for status, n in Counter(statuses).items():
+            self.metrics.prefetched_blocks.labels(kvcache_pb2.PrefetchStatus.Name(status)).inc(n)
 
     def _prefetch_stopped(self, status: int, message: str) -> None:  # on the prefetch thread
         reason = refusal_reason(status, message)

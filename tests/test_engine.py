@@ -176,9 +176,13 @@ def test_second_engine_reuses_the_first_engines_system_prompt(shared: Daemon,
     base = stored_blocks(shared)
     run(a, u1)
     wait_until(lambda: stored_blocks(shared) >= base + 5, what="A's write-through")
+    wait_until(lambda: a.registry.get_sample_value(  # A's metric counts each block's answer (counted per reply)
+        "model_runner_stored_blocks_total", {"reason": "prefill", "status": "STORED"}) == len(u1) // TPB,
+        what="A's store metric")
     r = run(b, u2)
     assert r.kv_source == "loaded" and r.cached_tokens == 5 * TPB
     assert r.output_ids == reference(u2)
+    assert b.registry.get_sample_value("model_runner_loaded_blocks_total", {"tier": "host"}) == 5
 
 
 # --- (3) a parked request does not stall the others; load vs recompute by measured cost
@@ -423,7 +427,7 @@ def test_prefetcher_stages_a_chain_head_first_in_chunks_up_to_its_first_gap(
     assert tiers[0] == kvcache_pb2.TIER_DISK
     chunks: list[list[int]] = []  # tiers of the chain after each chunk
     statuses: list[int] = []
-    p = Prefetcher(b.client, chunk_blocks=4, on_status=statuses.append,
+    p = Prefetcher(b.client, chunk_blocks=4, on_statuses=statuses.extend,
                    on_chunk=lambda: chunks.append(b.client.lookup(hashes)[1]))
     try:
         cancelled = p.submit(hashes)
