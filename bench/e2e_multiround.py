@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -145,6 +146,22 @@ def shape_of(a: argparse.Namespace) -> Shape:
     return Shape(**d)
 
 
+SOURCE_PACKAGES = ("kvservice", "kvwire", "engine_client", "model_runner", "bench")
+
+
+def source_digest(root: Path = ROOT) -> str:
+    """sha256 (12 hex digits) over the .py files of the packages that run, path and bytes: which code ran,
+    where a device's copy of the tree has no .git or a stale one (its `git rev-parse` then names an older
+    commit). `python3 bench/e2e_multiround.py --source-digest` prints it for a checkout to compare."""
+    h = hashlib.sha256()
+    for pkg in SOURCE_PACKAGES:
+        for f in sorted((root / pkg).rglob("*.py")):
+            if "__pycache__" in f.parts:
+                continue
+            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
 def meta(a: argparse.Namespace) -> dict:
     def run(cmd: list[str]) -> str:
         try:
@@ -167,6 +184,7 @@ def meta(a: argparse.Namespace) -> dict:
     return {"command": " ".join([os.path.basename(sys.executable), *sys.argv]),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
             "host": platform.node(), "nproc": os.cpu_count(), "gpu": gpu, "torch": torch_v, "commit": commit,
+            "source_digest": source_digest(),
             "args": vars(a)}
 
 
@@ -185,6 +203,9 @@ def save(ctx: Context, t0: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if (argv if argv is not None else sys.argv[1:]) == ["--source-digest"]:
+        print(source_digest())
+        return 0
     a = parse_args(argv)
     t0 = time.monotonic()
     shape = shape_of(a)

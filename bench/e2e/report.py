@@ -197,8 +197,8 @@ def render_md(results: dict) -> str:
     meta, shape, settings = results.get("meta", {}), results.get("shape", {}), results.get("settings", {})
     L: list[str] = ["# kvservice end-to-end benchmark (bench/e2e_multiround.py)\n"]
     L.append(f"- Command: `{meta.get('command', '')}`")
-    L.append(f"- Date: {meta.get('date', '-')}; commit {meta.get('commit', '-')}; elapsed "
-             f"{fmt(results.get('elapsed_s'), 0)} s")
+    L.append(f"- Date: {meta.get('date', '-')}; commit {meta.get('commit', '-')} (source digest "
+             f"{meta.get('source_digest', '-')}); elapsed {fmt(results.get('elapsed_s'), 0)} s")
     L.append(f"- Hardware: GPU {meta.get('gpu', '-')}; {meta.get('nproc', '-')} CPUs; torch {meta.get('torch', '-')}")
     bb = results.get("block_bytes", 0)
     if shape:
