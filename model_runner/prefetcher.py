@@ -60,7 +60,14 @@ def refusal_reason(status: int, message: str) -> str:
 
 
 class PrefetchJob:
-    __slots__ = ("_wanted", "cancelled", "done", "hashes", "staged")
+    """One request's staging. Besides `staged`, what its request's timings report at admission (written by
+    the prefetch thread, read by the loop; each a plain number): t_submit / t_start (monotonic: queued,
+    first Prefetch sent; 0 = not yet -- the job waits behind the jobs submitted before it), read (blocks
+    of the staged prefix read from disk; the rest were in host memory already), paused_s (time paused
+    after room refusals) and refusals (how many)."""
+
+    __slots__ = ("_wanted", "cancelled", "done", "hashes", "paused_s", "read", "refusals", "staged", "t_start",
+                 "t_submit")
 
     def __init__(self, hashes: Sequence[bytes], wanted: Callable[[], bool]) -> None:
         self.hashes = list(hashes)
@@ -68,6 +75,11 @@ class PrefetchJob:
         self.cancelled = False
         self.done = False
         self._wanted = wanted
+        self.t_submit = time.monotonic()
+        self.t_start = 0.0
+        self.read = 0
+        self.paused_s = 0.0
+        self.refusals = 0
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -178,6 +190,7 @@ class Prefetcher:
                         break
                     if not t0:
                         t0 = time.monotonic()
+                        job.t_start = job.t_start or t0
                     flight.append((nxt, fut))
                     nxt += self._chunk
                 if not flight:
@@ -186,9 +199,11 @@ class Prefetcher:
                     if read and answered >= 2:  # the disk rate up to the pause; measured afresh after it
                         self._on_rate(read, time.monotonic() - t0)
                     t0, read, answered = 0.0, 0, 0
+                    t_pause = time.monotonic()
                     with self._cv:
                         if not self._closed:
                             self._cv.wait(backoff)
+                    job.paused_s += time.monotonic() - t_pause
                     backoff = min(2 * backoff, RETRY_MAX_S)
                     nxt, retry_from, broken = retry_from, -1, False
                     continue
@@ -203,12 +218,14 @@ class Prefetcher:
                 answered += 1
                 if broken or lo != job.staged:
                     continue  # behind a gap: of no use (its leases run out)
-                ok = 0
+                ok = fresh = 0
                 for status in statuses:
                     if status not in _USABLE:
                         break
                     ok += 1
-                    read += status == kvcache_pb2.STAGED
+                    fresh += status == kvcache_pb2.STAGED
+                read += fresh
+                job.read += fresh
                 job.staged = lo + ok
                 self._on_chunk()
                 if ok < len(statuses):
@@ -217,6 +234,7 @@ class Prefetcher:
                     self._on_stop(statuses[ok], message)
                     if refusal_reason(statuses[ok], message) in RETRYABLE:
                         retry_from = lo + ok
+                        job.refusals += 1
                 else:
                     backoff = self._retry_s
                 if ok == len(statuses) and answered >= 2 and answered & (answered - 1) == 0 and read:

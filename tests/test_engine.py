@@ -434,8 +434,10 @@ def test_prefetcher_stages_a_chain_head_first_in_chunks_up_to_its_first_gap(
         cancelled.cancel()
         job = p.submit(hashes + [bytes([7]) * 32, bytes([8]) * 32])
         wait_until(lambda: job.done, what="the prefetch job")
-        assert cancelled.staged == 0
+        assert cancelled.staged == 0 and cancelled.t_start == 0  # never asked
         assert job.staged == 10 and len(chunks) == 3, (str(statuses), str(chunks))
+        assert job.read == statuses[:10].count(kvcache_pb2.STAGED) > 0  # what its request's timings report
+        assert job.t_start >= job.t_submit > 0 and job.refusals == 0 and job.paused_s == 0
         assert set(chunks[0][:4]) == {kvcache_pb2.TIER_HOST}  # the head first
         assert set(chunks[-1]) == {kvcache_pb2.TIER_HOST}
         assert daemon.stats().counters.prefetch_staged >= 8
@@ -567,6 +569,9 @@ def test_a_prefetch_refused_for_its_lease_cap_asks_again_and_stages_the_rest(
         r = handle.result(timeout=60)
         assert r.kv_source == "loaded" and r.cached_tokens == 6 * TPB
         assert r.timings["staged"] == 6 and r.timings["load_host"] == 6 and r.timings.get("unstaged", 0) == 0
+        # where the staging's time went: refused twice or more, paused meanwhile, the disk part read
+        assert r.timings["prefetch_refusals"] >= 2 and r.timings["prefetch_paused"] > 0
+        assert r.timings["prefetch_read"] >= 4 and r.timings["prefetch_wait"] >= 0
         assert r.output_ids == reference(ids)
     finally:
         b.stop()

@@ -291,10 +291,12 @@ def render_md(results: dict) -> str:
                          f"{fmt(em.get('model_runner_prefill_tokens_per_second'), 0)} |")
             L.append("\nThe same pairs inside the engine (means; ms from kv_cache.timings): queued until admitted, "
                      "admitted until its Load landed, then to the first token; blocks admission planned to load "
-                     "by tier, and staged by its prefetch by then:\n")
+                     "by tier, and staged by its prefetch by then; of the pairs with a prefetch job: mean ms from "
+                     "the job's submit to its first Prefetch (behind the jobs before it) and paused after room "
+                     "refusals, blocks it read from disk (summed):\n")
             L.append("| configuration | queued | loading | to first token | planned host / disk blocks | staged | plans "
-                     "| prefetch jobs stopped by (whole run) |")
-            L.append("| --- | ---: | ---: | ---: | --- | ---: | --- | --- |")
+                     "| prefetch jobs stopped by (whole run) | jobs: waited / paused ms, read |")
+            L.append("| --- | ---: | ---: | ---: | --- | ---: | --- | --- | --- |")
             for n, recs in pairs.items():
                 det = [x["timings"] for x in recs if x.get("timings")]
                 if not det:
@@ -309,7 +311,8 @@ def render_md(results: dict) -> str:
                          f"{sum(int(t.get('staged', 0)) for t in det)} | "
                          + ", ".join(f"{k}: {v}" for k, v in sorted(plans.items())) + " | "
                          + (", ".join(f"{_label(k)}: {int(v)}" for k, v in sorted(cfg[n].get("engine_metrics", {}).items())
-                                      if k.startswith("model_runner_prefetch_stops_total")) or "-") + " |")
+                                      if k.startswith("model_runner_prefetch_stops_total")) or "-") + " | "
+                         + _job_cell([t for t in det if "prefetch_wait" in t]) + " |")
         cpu_rows = []
         for n in names:
             em = cfg[n].get("engine_metrics", {})
@@ -378,6 +381,15 @@ def render_md(results: dict) -> str:
     return "\n".join(L) + "\n"
 
 
+def _job_cell(jobs: list[dict]) -> str:
+    """The prefetch-job columns of the pairs that had a job (timings prefetch_wait/paused/read)."""
+    if not jobs:
+        return "-"
+    wait = sum(float(t["prefetch_wait"]) for t in jobs) / len(jobs)
+    paused = sum(float(t.get("prefetch_paused", 0)) for t in jobs) / len(jobs)
+    return f"{len(jobs)} jobs: {wait:.0f} / {paused:.0f}, {sum(int(t.get('prefetch_read', 0)) for t in jobs)}"
+
+
 def _label(metric: str) -> str:
     """'model_runner_load_decisions_total{decision="load"}' -> 'load'."""
     return metric.split("=", 1)[-1].strip('}"')
@@ -386,9 +398,3 @@ def _label(metric: str) -> str:
 if __name__ == "__main__":
     path = Path(sys.argv[1])
     print(render_md(json.loads(path.read_text())))
-
-
-def _label(sample: str) -> str:
-    """'name{reason="lease_cap"}' -> 'lease_cap' (a one-label sample's value)."""
-    return sample.split('="', 1)[1].rstrip('"}') if '="' in sample else sample
-
