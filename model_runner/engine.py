@@ -325,12 +325,7 @@ class Engine:
 
 
 def _timings(seq: Seq) -> dict[str, float | int | str]:
-    """GenerationResult.timings of a finished request (ms unless said): queued (submit -> admitted),
-    loading (admitted -> its Load landed), to_first (-> first token); admission's plan: load_host /
-    load_disk (blocks), staged (the prefetch job's staged prefix), plan (its reason), unstaged (disk
-    blocks recomputed past the staging), est_load_all_ms / est_recompute_all_ms / disk_fit (the cost
-    model's view); with a prefetch job: prefetch_wait (submit -> its first Prefetch, or -> admission if
-    none was sent), prefetch_paused (after room refusals), prefetch_refusals, prefetch_read (blocks)."""
+    """GenerationResult.timings of a finished request (its keys: requests.GenerationResult.timings)."""
     ms = 1e3
     admit = seq.t_admit or seq.t_run
     out: dict[str, float | int | str] = {}

@@ -52,7 +52,9 @@ class GenerationResult:
     # and what admission planned: load_host / load_disk blocks (by the answer it planned from),
     # staged (blocks its prefetch had staged by then), plan (the cost model's reason, "" if no plan), unstaged
     # (disk blocks past its staged prefix, recomputed), est_load_all_ms / est_recompute_all_ms / disk_fit (what
-    # the cost model expected of loading vs recomputing the whole stored prefix).
+    # the cost model expected of loading vs recomputing the whole stored prefix); with a prefetch job:
+    # prefetch_wait (submit -> its first Prefetch, or -> admission if none was sent: behind other jobs),
+    # prefetch_paused (after room refusals), prefetch_refusals, prefetch_read (blocks it read from disk).
     timings: dict[str, float | int | str] = field(default_factory=dict)
 
 

@@ -410,8 +410,7 @@ class Scheduler:
         job = seq.prefetch_job
         staged = job.staged if job is not None else 0
         if job is not None:  # where its staging's time went (the job's fields are written on its thread)
-            now = time.monotonic()
-            seq.plan.update(prefetch_wait=round(((job.t_start or now) - job.t_submit) * 1e3, 1),
+            seq.plan.update(prefetch_wait=round(((job.t_start or seq.t_admit) - job.t_submit) * 1e3, 1),
                             prefetch_read=job.read, prefetch_paused=round(job.paused_s * 1e3, 1),
                             prefetch_refusals=job.refusals)
         k, tiers = self._plan_load(seq, hashes[m:])

@@ -70,6 +70,18 @@ async def started_cache(config: Config, clock: FakeClock | None = None, io=None)
         await cache.drain_and_stop()
 
 
+@asynccontextmanager
+async def engine_on(cache: BlockCache, num_blocks: int = 16):
+    """An Engine on a fresh Pool of `num_blocks`; afterwards its session is closed and the pool unlinked."""
+    pool = Pool(num_blocks=num_blocks)
+    eng = Engine(cache, pool)
+    try:
+        yield eng
+    finally:
+        await cache.close_session(eng.sid)
+        pool.close()
+
+
 class Engine:
     """One session on a cache, with helpers that store/load numbered blocks."""
 

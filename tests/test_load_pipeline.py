@@ -16,7 +16,7 @@ import pytest
 import kvservice.core.cache as cache_mod
 from kvservice.core.types import LoadStatus, StoreStatus
 from kvservice.memory.engine_memory import ShmEngineMemory
-from tests.corekit import BLOCK, Engine, Pool, h, small_config, started_cache
+from tests.corekit import BLOCK, engine_on, h, small_config, started_cache
 from tests.test_store_cancellation import Gate, cancelled, until
 
 
@@ -51,9 +51,7 @@ def scatters(monkeypatch):
 async def test_a_load_in_parts_is_byte_exact_and_refreshes_one_chain(tmp_path, parts_of_two, scatters):
     cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=32 * BLOCK)
     async with started_cache(cfg) as cache:
-        pool = Pool(num_blocks=64)
-        eng = Engine(cache, pool)
-        try:
+        async with engine_on(cache, 64) as eng:
             assert {r.status for r in await eng.store(list(range(20)))} == {StoreStatus.STORED}
             scatters.calls.clear()
             rs = await eng.load(list(range(10)))  # checks the bytes of every LOADED block
@@ -65,43 +63,35 @@ async def test_a_load_in_parts_is_byte_exact_and_refreshes_one_chain(tmp_path, p
             assert [d[h(i)].reuse for i in range(12)] == [1] * 10 + [0] * 2
             assert cache.counters.loads_host == 10
             assert cache.audit() == []
-        finally:
-            await cache.close_session(eng.sid)
-            pool.close()
 
 
 async def test_a_load_cancelled_in_its_second_part_leaves_no_pin(tmp_path, parts_of_two, scatters):
     cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=32 * BLOCK)
     async with started_cache(cfg) as cache:
-        pool = Pool(num_blocks=64)
-        eng = Engine(cache, pool)
-        try:
-            assert {r.status for r in await eng.store(list(range(10)))} == {StoreStatus.STORED}
-            scatters.calls.clear()
-            scatters.open.clear()
-            task = asyncio.ensure_future(eng.load(list(range(10))))
-            await until(lambda: scatters.inside >= 2, "two parts' copies in flight")
-            assert cache.audit(idle=False) == []
-            await cancelled(task)
-            scatters.open.set()
-            await until(lambda: scatters.inside == 0, "the copies to end")
-            await asyncio.sleep(0.05)  # their done callbacks run on the loop
-            assert cache.audit() == []  # no pin left (idle audit)
-            rs = await eng.load(list(range(10)))
-            assert [r.status for r in rs] == [LoadStatus.LOADED] * 10
-            assert cache.audit() == []
-        finally:
-            scatters.open.set()
-            await cache.close_session(eng.sid)
-            pool.close()
+        async with engine_on(cache, 64) as eng:
+            try:
+                assert {r.status for r in await eng.store(list(range(10)))} == {StoreStatus.STORED}
+                scatters.calls.clear()
+                scatters.open.clear()
+                task = asyncio.ensure_future(eng.load(list(range(10))))
+                await until(lambda: scatters.inside >= 2, "two parts' copies in flight")
+                assert cache.audit(idle=False) == []
+                await cancelled(task)
+                scatters.open.set()
+                await until(lambda: scatters.inside == 0, "the copies to end")
+                await asyncio.sleep(0.05)  # their done callbacks run on the loop
+                assert cache.audit() == []  # no pin left (idle audit)
+                rs = await eng.load(list(range(10)))
+                assert [r.status for r in rs] == [LoadStatus.LOADED] * 10
+                assert cache.audit() == []
+            finally:
+                scatters.open.set()
 
 
 async def test_a_copy_failing_in_the_second_part_fails_the_load_and_leaves_no_pin(tmp_path, parts_of_two, scatters):
     cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=32 * BLOCK)
     async with started_cache(cfg) as cache:
-        pool = Pool(num_blocks=64)
-        eng = Engine(cache, pool)
-        try:
+        async with engine_on(cache, 64) as eng:
             assert {r.status for r in await eng.store(list(range(10)))} == {StoreStatus.STORED}
             scatters.calls.clear()
             scatters.fail_at = 1
@@ -113,6 +103,3 @@ async def test_a_copy_failing_in_the_second_part_fails_the_load_and_leaves_no_pi
             scatters.fail_at = -1
             rs = await eng.load(list(range(10)))
             assert [r.status for r in rs] == [LoadStatus.LOADED] * 10
-        finally:
-            await cache.close_session(eng.sid)
-            pool.close()

@@ -26,7 +26,7 @@ from hypothesis.stateful import run_state_machine_as_test
 import kvservice.core.cache as cache_mod
 from kvservice.core.lifecycle import is_mark
 from kvservice.core.types import LoadStatus, StoreStatus
-from tests.corekit import BLOCK, Engine, Pool, h, small_config, started_cache
+from tests.corekit import BLOCK, engine_on, h, small_config, started_cache
 from tests.test_lifecycle_properties import LifecycleMachine
 from tests.test_store_cancellation import cancelled, gated_gather, restore_works, until  # noqa: F401 (fixture)
 
@@ -80,9 +80,7 @@ async def test_a_store_in_parts_is_byte_exact_and_one_chain(tmp_path, parts_of):
     planned = parts_of(2)
     cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=16 * BLOCK)
     async with started_cache(cfg) as cache:
-        pool = Pool(num_blocks=32)
-        eng = Engine(cache, pool)
-        try:
+        async with engine_on(cache, 32) as eng:
             rs = await eng.store(list(range(10)))
             assert [r.status for r in rs] == [StoreStatus.STORED] * 10
             assert planned == [2] * 5
@@ -94,43 +92,35 @@ async def test_a_store_in_parts_is_byte_exact_and_one_chain(tmp_path, parts_of):
             rs = await eng.load(list(range(100, 110)))  # checks the bytes of every LOADED block
             assert [r.status for r in rs] == [LoadStatus.LOADED] * 10
             assert cache.audit() == []
-        finally:
-            await cache.close_session(eng.sid)
-            pool.close()
 
 
 async def test_a_store_cancelled_in_its_second_part_rolls_back_every_part(tmp_path, parts_of, gated_gather):  # noqa: F811
     parts_of(2, depth=2)
     cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=16 * BLOCK)
     async with started_cache(cfg) as cache:
-        pool = Pool(num_blocks=32)
-        eng = Engine(cache, pool)
-        try:
-            gated_gather.open.clear()
-            task = asyncio.ensure_future(eng.store(list(range(8))))
-            await until(lambda: gated_gather.inside >= 2, "two parts' copies in flight")
-            assert cache.audit(idle=False) == []
-            await cancelled(task)
-            assert not [e for e in cache.tiers.index.values() if not e.ready], "half-made entries after the cancel"
-            gated_gather.open.set()
-            await until(lambda: gated_gather.inside == 0, "the copies to end")
-            await asyncio.sleep(0.05)
-            assert cache.audit() == []
-            assert cache.tiers.host.used_bytes == 0
-            await restore_works(eng, list(range(8)))
-        finally:
-            gated_gather.open.set()
-            await cache.close_session(eng.sid)
-            pool.close()
+        async with engine_on(cache, 32) as eng:
+            try:
+                gated_gather.open.clear()
+                task = asyncio.ensure_future(eng.store(list(range(8))))
+                await until(lambda: gated_gather.inside >= 2, "two parts' copies in flight")
+                assert cache.audit(idle=False) == []
+                await cancelled(task)
+                assert not [e for e in cache.tiers.index.values() if not e.ready], "half-made entries after the cancel"
+                gated_gather.open.set()
+                await until(lambda: gated_gather.inside == 0, "the copies to end")
+                await asyncio.sleep(0.05)
+                assert cache.audit() == []
+                assert cache.tiers.host.used_bytes == 0
+                await restore_works(eng, list(range(8)))
+            finally:
+                gated_gather.open.set()
 
 
 async def test_a_part_that_does_not_fit_keeps_the_prefix(tmp_path, parts_of):
     parts_of(2)
     cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=8 * BLOCK)
     async with started_cache(cfg) as cache:
-        pool = Pool(num_blocks=32)
-        eng = Engine(cache, pool)
-        try:
+        async with engine_on(cache, 32) as eng:
             assert {r.status for r in await eng.store(list(range(100, 108)))} == {StoreStatus.STORED}
             old = list(cache.tiers.host.entries_oldest_first())
             cache.tiers.life.pin(old[3:])  # 5 of the 8 resident blocks pinned: 3 evictable
@@ -143,9 +133,6 @@ async def test_a_part_that_does_not_fit_keeps_the_prefix(tmp_path, parts_of):
             rs = await eng.load(list(range(3)))
             assert [r.status for r in rs] == [LoadStatus.LOADED] * 3
             assert cache.audit() == []
-        finally:
-            await cache.close_session(eng.sid)
-            pool.close()
 
 
 async def _hold_a_store_in_its_first_part(cache, eng, gate, numbers):
@@ -166,27 +153,22 @@ async def test_a_hash_held_by_a_store_not_yet_built_waits_for_it(tmp_path, parts
     parts_of(2, depth=1)
     cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=16 * BLOCK)
     async with started_cache(cfg) as cache:
-        pool_a, pool_b = Pool(num_blocks=32), Pool(num_blocks=32)
-        a, b = Engine(cache, pool_a), Engine(cache, pool_b)
-        try:
-            task = await _hold_a_store_in_its_first_part(cache, a, gated_gather, list(range(8)))
-            assert cache.lookup(b.sid, [h(7)]) == []
-            assert [r.status for r in await b.load([7])] == [LoadStatus.MISSING]
-            other = asyncio.ensure_future(b.store([7]))
-            await asyncio.sleep(0.05)
-            assert not other.done(), "B answered before A's outcome"
-            assert cache.audit(idle=False) == []
-            gated_gather.open.set()
-            assert [r.status for r in await task] == [StoreStatus.STORED] * 8
-            assert [r.status for r in await other] == [StoreStatus.ALREADY_STORED]
-            assert [r.status for r in await b.load(list(range(8)))] == [LoadStatus.LOADED] * 8  # bytes checked
-            assert cache.audit() == []
-        finally:
-            gated_gather.open.set()
-            await cache.close_session(a.sid)
-            await cache.close_session(b.sid)
-            pool_a.close()
-            pool_b.close()
+        async with engine_on(cache, 32) as a, engine_on(cache, 32) as b:
+            try:
+                task = await _hold_a_store_in_its_first_part(cache, a, gated_gather, list(range(8)))
+                assert cache.lookup(b.sid, [h(7)]) == []
+                assert [r.status for r in await b.load([7])] == [LoadStatus.MISSING]
+                other = asyncio.ensure_future(b.store([7]))
+                await asyncio.sleep(0.05)
+                assert not other.done(), "B answered before A's outcome"
+                assert cache.audit(idle=False) == []
+                gated_gather.open.set()
+                assert [r.status for r in await task] == [StoreStatus.STORED] * 8
+                assert [r.status for r in await other] == [StoreStatus.ALREADY_STORED]
+                assert [r.status for r in await b.load(list(range(8)))] == [LoadStatus.LOADED] * 8  # bytes checked
+                assert cache.audit() == []
+            finally:
+                gated_gather.open.set()
 
 
 async def test_a_hash_held_by_a_cancelled_store_is_not_acknowledged(tmp_path, parts_of, gated_gather):  # noqa: F811
@@ -196,27 +178,22 @@ async def test_a_hash_held_by_a_cancelled_store_is_not_acknowledged(tmp_path, pa
     parts_of(2, depth=1)
     cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=16 * BLOCK)
     async with started_cache(cfg) as cache:
-        pool_a, pool_b = Pool(num_blocks=32), Pool(num_blocks=32)
-        a, b = Engine(cache, pool_a), Engine(cache, pool_b)
-        try:
-            task = await _hold_a_store_in_its_first_part(cache, a, gated_gather, list(range(8)))
-            other = asyncio.ensure_future(b.store([7]))
-            await asyncio.sleep(0.05)
-            await cancelled(task)
-            rs = await other
-            assert [r.status for r in rs] == [StoreStatus.NOT_STORED] and "did not complete" in rs[0].message
-            assert not list(cache.tiers.index.values()), "the cancelled Store left entries or marks"
-            gated_gather.open.set()
-            await until(lambda: gated_gather.inside == 0, "the copy to end")
-            await asyncio.sleep(0.05)
-            assert cache.audit() == []
-            await restore_works(b, [7])
-        finally:
-            gated_gather.open.set()
-            await cache.close_session(a.sid)
-            await cache.close_session(b.sid)
-            pool_a.close()
-            pool_b.close()
+        async with engine_on(cache, 32) as a, engine_on(cache, 32) as b:
+            try:
+                task = await _hold_a_store_in_its_first_part(cache, a, gated_gather, list(range(8)))
+                other = asyncio.ensure_future(b.store([7]))
+                await asyncio.sleep(0.05)
+                await cancelled(task)
+                rs = await other
+                assert [r.status for r in rs] == [StoreStatus.NOT_STORED] and "did not complete" in rs[0].message
+                assert not list(cache.tiers.index.values()), "the cancelled Store left entries or marks"
+                gated_gather.open.set()
+                await until(lambda: gated_gather.inside == 0, "the copy to end")
+                await asyncio.sleep(0.05)
+                assert cache.audit() == []
+                await restore_works(b, [7])
+            finally:
+                gated_gather.open.set()
 
 
 async def test_a_hash_twice_in_a_store_in_parts_is_stored_once(tmp_path, parts_of):
@@ -225,13 +202,8 @@ async def test_a_hash_twice_in_a_store_in_parts_is_stored_once(tmp_path, parts_o
     parts_of(2)
     cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=16 * BLOCK)
     async with started_cache(cfg) as cache:
-        pool = Pool(num_blocks=32)
-        eng = Engine(cache, pool)
-        try:
+        async with engine_on(cache, 32) as eng:
             rs = await eng.store([0, 1, 2, 3, 4, 5, 1])
             assert [r.status for r in rs] == [StoreStatus.STORED] * 6 + [StoreStatus.ALREADY_STORED]
             assert [r.status for r in await eng.load(list(range(6)))] == [LoadStatus.LOADED] * 6
             assert cache.audit() == []
-        finally:
-            await cache.close_session(eng.sid)
-            pool.close()

@@ -17,13 +17,14 @@ Moves between tiers live in tiers.Tiers; the policies in eviction and retention.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import operator
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -511,12 +512,7 @@ class BlockCache:
         rolled back now, their slots go when the copy thread is done with them (_copy's rule)."""
         life = self._t.life
         life.rollback(placed, copy_running=True)
-        if fut.done():
-            if not fut.cancelled():
-                fut.exception()  # retrieved: its failure is the Store's, already raised or superseded
-            life.release_aborted(placed)
-        else:
-            fut.add_done_callback(lambda f: (f.cancelled() or f.exception(), life.release_aborted(placed)))
+        _when_copy_ends(fut, functools.partial(life.release_aborted, placed))
 
     async def _copy(self, fn, *args, on_fail=None, on_abandon=None):
         """Run one copy job on the copy pool. If the caller is cancelled (or the job fails), on_fail
@@ -647,20 +643,10 @@ class BlockCache:
                     life.unpin(part)
                     done += 1
         except BaseException:
-            for fut, a, b in jobs[done:]:
-                self._unpin_after(fut, found[a:b])
+            for fut, a, b in jobs[done:]:  # each part's pins go once its copy thread is done with them
+                _when_copy_ends(fut, functools.partial(life.unpin, found[a:b]))
             life.unpin(found[jobs[-1][2] if jobs else 0:])  # parts never started
             raise
-
-    def _unpin_after(self, fut: asyncio.Future, entries: list[Entry]) -> None:
-        """Drop the pins of a copy's blocks once the copy thread is done with them (now if it is)."""
-        life = self._t.life
-        if fut.done():
-            if not fut.cancelled():
-                fut.exception()  # retrieved: the call's failure is raised already or superseded
-            life.unpin(entries)
-        else:
-            fut.add_done_callback(lambda f: (f.cancelled() or f.exception(), life.unpin(entries)))
 
     @staticmethod
     def _answer_loaded(results: LoadResults, pos: list[int], n: int) -> None:
@@ -1019,6 +1005,17 @@ def _tune_gc() -> None:
     young, mid, old = gc.get_threshold()
     if young and young < GC_YOUNG_THRESHOLD:
         gc.set_threshold(GC_YOUNG_THRESHOLD, max(mid, 20), max(old, 50))
+
+
+def _when_copy_ends(fut: asyncio.Future, fn: Callable[[], object]) -> None:
+    """Run fn once an abandoned copy job's thread is done with its memory (now if it is), its outcome
+    retrieved: the call's failure is raised already or superseded."""
+    if fut.done():
+        if not fut.cancelled():
+            fut.exception()
+        fn()
+    else:
+        fut.add_done_callback(lambda f: (f.cancelled() or f.exception(), fn()))
 
 
 def _host_slots(found: list[Entry | None]) -> list[int] | None:

@@ -210,8 +210,7 @@ class Tiers:
         more disk victims; if that does not help, undo e's disk reservation, count a refusal."""
         if self.segments is None:
             return True
-        if e.size not in self._budget_sizes:
-            self._size_budget(e.size)
+        self._size_budget(e.size)
         for _ in range(8):
             loc = self.segments.reserve(e.size)
             if loc is not None:
@@ -232,7 +231,9 @@ class Tiers:
         """Lower the disk policy's byte budget to what the store holds in blocks of `size` (each
         slot also costs its slot rounding and metadata share). Without it the policy sees room the
         store has not got, and in a full tier every spill would fail its first reservation and
-        evict again (_reserve_slot's fallback, ~15 us a victim on the loop at 64 KiB)."""
+        evict again (_reserve_slot's fallback, ~15 us a victim on the loop at 64 KiB). Once per size."""
+        if size in self._budget_sizes:
+            return
         assert self.disk is not None and self.segments is not None
         self._budget_sizes.add(size)
         store = self.segments.store
@@ -462,7 +463,7 @@ class Tiers:
         blocks), block by block as before, so the ones that fit still spill."""
         if self.segments is None or len(victims) < 2:
             return [e for e in victims if self._evict_from_host(e, now)]
-        for size in {e.size for e in victims} - self._budget_sizes:
+        for size in {e.size for e in victims}:
             self._size_budget(size)
         plan = plan_disk_eviction(self.disk, sum(e.size for e in victims), now, self.config.protect_unexpired)
         if plan is None:
