@@ -62,12 +62,13 @@ def refusal_reason(status: int, message: str) -> str:
 class PrefetchJob:
     """One request's staging. Besides `staged`, what its request's timings report at admission (written by
     the prefetch thread, read by the loop; each a plain number): t_submit / t_start (monotonic: queued,
-    first Prefetch sent; 0 = not yet -- the job waits behind the jobs submitted before it), read (blocks
-    of the staged prefix read from disk; the rest were in host memory already), paused_s (time paused
-    after room refusals) and refusals (how many)."""
+    first Prefetch sent; 0 = not yet -- the job waits behind the jobs submitted before it), t_first (its
+    first answer; 0 = none yet), answered (chunks answered), read (blocks of the staged prefix read from
+    disk; the rest were in host memory already), paused_s (time paused after room refusals) and refusals
+    (how many)."""
 
-    __slots__ = ("_wanted", "cancelled", "done", "hashes", "paused_s", "read", "refusals", "staged", "t_start",
-                 "t_submit")
+    __slots__ = ("_wanted", "answered", "cancelled", "done", "hashes", "paused_s", "read", "refusals", "staged",
+                 "t_first", "t_start", "t_submit")
 
     def __init__(self, hashes: Sequence[bytes], wanted: Callable[[], bool]) -> None:
         self.hashes = list(hashes)
@@ -77,6 +78,8 @@ class PrefetchJob:
         self._wanted = wanted
         self.t_submit = time.monotonic()
         self.t_start = 0.0
+        self.t_first = 0.0
+        self.answered = 0
         self.read = 0
         self.paused_s = 0.0
         self.refusals = 0
@@ -216,6 +219,8 @@ class Prefetcher:
                     continue
                 self._on_statuses(statuses)
                 answered += 1
+                job.answered += 1
+                job.t_first = job.t_first or time.monotonic()
                 if broken or lo != job.staged:
                     continue  # behind a gap: of no use (its leases run out)
                 ok = fresh = 0

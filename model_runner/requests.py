@@ -54,7 +54,9 @@ class GenerationResult:
     # (disk blocks past its staged prefix, recomputed), est_load_all_ms / est_recompute_all_ms / disk_fit (what
     # the cost model expected of loading vs recomputing the whole stored prefix); with a prefetch job:
     # prefetch_wait (submit -> its first Prefetch, or -> admission if none was sent: behind other jobs),
-    # prefetch_paused (after room refusals), prefetch_refusals, prefetch_read (blocks it read from disk).
+    # prefetch_first (its first Prefetch -> the first answer, -1 if none by admission), prefetch_answered
+    # (chunks answered by then), prefetch_paused (after room refusals), prefetch_refusals, prefetch_read
+    # (blocks it read from disk).
     timings: dict[str, float | int | str] = field(default_factory=dict)
 
 

@@ -411,6 +411,8 @@ class Scheduler:
         staged = job.staged if job is not None else 0
         if job is not None:  # where its staging's time went (the job's fields are written on its thread)
             seq.plan.update(prefetch_wait=round(((job.t_start or seq.t_admit) - job.t_submit) * 1e3, 1),
+                            prefetch_first=round((job.t_first - job.t_start) * 1e3, 1) if job.t_first else -1.0,
+                            prefetch_answered=job.answered,
                             prefetch_read=job.read, prefetch_paused=round(job.paused_s * 1e3, 1),
                             prefetch_refusals=job.refusals)
         k, tiers = self._plan_load(seq, hashes[m:])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from kvservice.core.types import LoadStatus, Tier
+from kvservice.core.types import LoadStatus, PrefetchStatus, Tier
 from kvservice.disk import segment
 from kvservice.placement.index import DiskState
 from tests.corekit import BLOCK, Engine, Pool, h, small_config, started_cache
@@ -120,3 +120,41 @@ async def test_an_onboard_cancelled_while_its_victims_spill_holds_no_slot_and_le
                 pool.close()
     finally:
         gate.set()
+
+
+async def test_a_prefetch_into_a_dirty_host_tier_is_staged_as_one_batch(tmp_path, monkeypatch):
+    """Scenario: the host tier is full of blocks not yet on disk and a Prefetch asks for 16 disk
+    blocks: they are read into scratch and onboarded with one make_host_room call (the 16 victims
+    spill together, one wait for their room, not a wait per block); every block is STAGED under a
+    lease, the next Load of them is all host hits with the same bytes, and nothing is half-made.
+    The daemon's Prefetch latency and its disk-read latency are observed once each."""
+    cfg = small_config(tmp_path, disk_blocks=4 * N, host_capacity_bytes=N * BLOCK, prefetch_share=1.0,
+                       prefetch_total_share=1.0)
+    async with started_cache(cfg) as cache:
+        pool = Pool(num_blocks=4 * N)
+        try:
+            eng = Engine(cache, pool)
+            await _dirty_host(cache, eng)
+            calls: list[int] = []
+            real = cache.tiers.make_host_room
+
+            def counted(size, n, now):
+                calls.append(n)
+                return real(size, n, now)
+
+            monkeypatch.setattr(cache.tiers, "make_host_room", counted)
+            out = await cache.prefetch(eng.sid, [h(i) for i in range(N)])
+            assert [r.status for r in out] == [PrefetchStatus.STAGED] * N, [r.message for r in out]
+            assert calls == [N]
+            now = cache.clock.now()
+            assert all(_get(cache, i).slot >= 0 and _get(cache, i).lease_until > now for i in range(N))
+            await _settled(cache)
+            assert all(_get(cache, i).slot < 0 and _get(cache, i).disk == DiskState.ON_DISK for i in range(N, 2 * N))
+            assert cache.stats.total.prefetch_staged == N
+            lat = {hist.name: hist.count for hist in cache.latencies}
+            assert lat["prefetch"] == 1 and lat["prefetch_read"] == 1
+            assert cache.audit() == []
+            res = await eng.load(list(range(N)))  # Engine.load compares the bytes
+            assert [(r.status, r.tier) for r in res] == [(LoadStatus.LOADED, Tier.HOST)] * N
+        finally:
+            pool.close()

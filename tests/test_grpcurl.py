@@ -81,7 +81,7 @@ def test_stats_prints_json_with_both_tiers(daemon):
     assert tiers["disk"]["capacity_bytes"] == str(1024 * 1024)
     assert stats["version"] and stats["io_backend"] == "posix"
     assert stats["write_queue_capacity"] > 0
-    assert {h["name"] for h in stats["latencies"]} == {"store", "load"}
+    assert {h["name"] for h in stats["latencies"]} == {"store", "load", "prefetch", "prefetch_read"}
 
 
 def test_operator_sees_an_engine_session_and_evicts_its_blocks(daemon):

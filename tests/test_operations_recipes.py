@@ -154,7 +154,7 @@ def check_stats(c: Ctx) -> None:
                     "drops_pressure", "admission_refusals", "prefetch_wasted", "recovery_rate"):
         assert counter in stats["counters"], counter
     assert int(stats["counters"]["stores"]) >= 2 and stats["io_backend"] == "posix"
-    assert stats["sessions"] == 1 and {h["name"] for h in stats["latencies"]} == {"store", "load"}
+    assert stats["sessions"] == 1 and {h["name"] for h in stats["latencies"]} == {"store", "load", "prefetch", "prefetch_read"}
 
 
 def check_stats_tcp(c: Ctx) -> None:

@@ -292,10 +292,12 @@ def render_md(results: dict) -> str:
             L.append("\nThe same pairs inside the engine (means; ms from kv_cache.timings): queued until admitted, "
                      "admitted until its Load landed, then to the first token; blocks admission planned to load "
                      "by tier, and staged by its prefetch by then; of the pairs with a prefetch job: mean ms from "
-                     "the job's submit to its first Prefetch (behind the jobs before it) and paused after room "
-                     "refusals, blocks it read from disk (summed):\n")
+                     "the job's submit to its first Prefetch (behind the jobs before it), paused after room "
+                     "refusals, and from its first Prefetch to the first answer (of the jobs answered by "
+                     "admission); jobs with no answer by admission; blocks read from disk (summed). The daemon's "
+                     "Prefetch calls: mean ms of a call and of its disk read:\n")
             L.append("| configuration | queued | loading | to first token | planned host / disk blocks | staged | plans "
-                     "| prefetch jobs stopped by (whole run) | jobs: waited / paused ms, read |")
+                     "| prefetch jobs stopped by (whole run) | jobs: waited / paused / first answer ms, unanswered by admission, read |")
             L.append("| --- | ---: | ---: | ---: | --- | ---: | --- | --- | --- |")
             for n, recs in pairs.items():
                 det = [x["timings"] for x in recs if x.get("timings")]
@@ -313,6 +315,15 @@ def render_md(results: dict) -> str:
                          + (", ".join(f"{_label(k)}: {int(v)}" for k, v in sorted(cfg[n].get("engine_metrics", {}).items())
                                       if k.startswith("model_runner_prefetch_stops_total")) or "-") + " | "
                          + _job_cell([t for t in det if "prefetch_wait" in t]) + " |")
+            calls = []
+            for n in pairs:
+                lat = (cfg[n].get("daemon") or {}).get("latencies", {})
+                pf, rd = lat.get("prefetch") or {}, lat.get("prefetch_read") or {}
+                if pf.get("count"):
+                    calls.append(f"{cfg[n]['label']}: {pf['count']} calls, {fmt(pf.get('mean_ms'), 1)} ms; "
+                                 f"{rd.get('count', 0)} with a disk read, {fmt(rd.get('mean_ms'), 1)} ms")
+            if calls:
+                L.append("\nThe daemon's Prefetch calls (whole run): " + "; ".join(calls))
         cpu_rows = []
         for n in names:
             em = cfg[n].get("engine_metrics", {})
@@ -387,7 +398,11 @@ def _job_cell(jobs: list[dict]) -> str:
         return "-"
     wait = sum(float(t["prefetch_wait"]) for t in jobs) / len(jobs)
     paused = sum(float(t.get("prefetch_paused", 0)) for t in jobs) / len(jobs)
-    return f"{len(jobs)} jobs: {wait:.0f} / {paused:.0f}, {sum(int(t.get('prefetch_read', 0)) for t in jobs)}"
+    firsts = [float(t["prefetch_first"]) for t in jobs if float(t.get("prefetch_first", -1)) >= 0]
+    first = f"{sum(firsts) / len(firsts):.0f}" if firsts else "-"
+    unanswered = sum(1 for t in jobs if float(t.get("prefetch_first", 0)) < 0)
+    return (f"{len(jobs)} jobs: {wait:.0f} / {paused:.0f} / {first}, {unanswered} unanswered, "
+            f"{sum(int(t.get('prefetch_read', 0)) for t in jobs)}")
 
 
 def _label(metric: str) -> str:

@@ -75,6 +75,8 @@ class BlockCache:
         self._copy_pool = ThreadPoolExecutor(4, thread_name_prefix="kv-copy")
         self._store_latency = Histogram("store")
         self._load_latency = Histogram("load")
+        self._prefetch_latency = Histogram("prefetch")  # whole calls
+        self._prefetch_read_latency = Histogram("prefetch_read")  # their disk reads (calls with a block to read)
         self._stopping = False
         self._background: set[asyncio.Task] = set()
 
@@ -741,6 +743,7 @@ class BlockCache:
         (the rest is refused, with the reason: many sessions must not pin the whole tier between
         them); a block already in host memory is leased once, never renewed by another prefetch
         while its lease runs."""
+        t0 = time.perf_counter()
         s = self._session(session_id, namespace_id)
         hashes = self._hashes(hashes)
         t = self._t
@@ -780,23 +783,35 @@ class BlockCache:
         if lease_now:
             life.lease_many(s.id, list(lease_now.values()), now, seconds, staged=False)
         reading = [e for _, e in to_read]
+        if not reading:
+            self._prefetch_latency.observe(time.perf_counter() - t0)
+            return out
         life.pin(reading)
         try:
             # one coalesced read, straight into host slots where there is room (no copy on the loop)
-            reads = await t.read_batch(reading, s.memory.alloc_host, s.block_bytes) if to_read else []
+            reads = await t.read_batch(reading, s.memory.alloc_host, s.block_bytes)
+            self._prefetch_read_latency.observe(time.perf_counter() - t0)
+            late: list[tuple[int, Entry, torch.Tensor]] = []  # landed in scratch, no free or clean slot left
             for (pos, e), (r, onboarded) in zip(to_read, reads):
                 if isinstance(r, BaseException):
                     out[pos] = PrefetchResult(PrefetchStatus.FAILED, f"disk read failed, block discarded: {r}")
-                    continue
-                if not onboarded and not e.in_memory and not t.onboard(e, r) and not await t.onboard_evicting(e, r):
-                    out[pos] = PrefetchResult(PrefetchStatus.FAILED,
-                                              "no room in the host tier: it is pinned by loads and prefetches")
+                elif not onboarded and not e.in_memory and not t.onboard(e, r):
+                    late.append((pos, e, r))
+            if late:  # one eviction plan and one wait for its spills, not a wait per block
+                await t.onboard_many([e for _, e, _ in late], [r for _, _, r in late])
+                for pos, e, _ in late:
+                    if not e.in_memory:
+                        out[pos] = PrefetchResult(PrefetchStatus.FAILED,
+                                                  "no room in the host tier: it is pinned by loads and prefetches")
+            for pos, e in to_read:
+                if out[pos].status != PrefetchStatus.STAGED:
                     continue
                 if e.lease_until <= now and self._sessions.find(s.id) is s:  # its session may have closed meanwhile
                     life.lease(s.id, e, now, seconds, staged=True)
                 self.stats.bump(s.namespace, "prefetch_staged")
         finally:
             life.unpin(reading)
+        self._prefetch_latency.observe(time.perf_counter() - t0)
         return out
 
     def _lease_cap(self) -> int:
@@ -951,7 +966,7 @@ class BlockCache:
 
     @property
     def latencies(self) -> list[Histogram]:
-        return [self._store_latency, self._load_latency]
+        return [self._store_latency, self._load_latency, self._prefetch_latency, self._prefetch_read_latency]
 
     def queue_depths(self) -> dict[str, int]:
         t = self._t
