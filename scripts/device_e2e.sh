@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 14's end-to-end measurements on a GPU host, one device call, results under $OUT/e2e:
 #   bash scripts/device_e2e.sh host          recompute vs the host tier (the 5x line) and the disk pair
+#   bash scripts/device_e2e.sh hostonly      recompute vs the host tier only (the 5x line, ~150 s)
 #   bash scripts/device_e2e.sh disk          the disk pair only (prefetch 4 vs 0), DISK_ORDER=p4|p0 first
 #   bash scripts/device_e2e.sh diskboth      the disk pair in both orders ($OUT/e2e-p4first, $OUT/e2e-p0first,
 #                                            ~290 s) and the two pooled: the disk line's verdict (v7: the order
@@ -28,6 +29,7 @@ COMMON=(--model 8b --device cuda --out "$OUT/e2e" --users 8 --rounds 6 --disk-ra
         --disk-round0-rate-factor 0.3 --disk-host-prompts 3 --prefetch-share 0.6 --disk-format segments --pin-cpus)
 case ${1:-disk} in
   host) timeout 560 python3 bench/e2e_multiround.py "${COMMON[@]}" --configs "recompute,host,$PAIR" --config-timeout 90 ;;
+  hostonly) timeout 330 python3 bench/e2e_multiround.py "${COMMON[@]}" --configs recompute,host --config-timeout 90 ;;
   disk) timeout 400 python3 bench/e2e_multiround.py "${COMMON[@]}" --configs "$PAIR" --config-timeout 100 ;;
   noreuse) timeout 300 python3 bench/e2e_multiround.py "${COMMON[@]}" --configs no_reuse --no-reuse-half-seconds 5 \
              --no-reuse-cycles 3 --miss-probe 10 --config-timeout 100 ;;
@@ -41,7 +43,7 @@ case ${1:-disk} in
     done
     python3 bench/e2e_pool.py "$OUT"/e2e-p4first/results.json "$OUT"/e2e-p0first/results.json | tee "$OUT/pool.md"
     exit $rc ;;
-  *) echo "usage: $0 host|disk|diskboth|noreuse|decode" >&2; exit 2 ;;
+  *) echo "usage: $0 host|hostonly|disk|diskboth|noreuse|decode" >&2; exit 2 ;;
 esac
 rc=$?
 [[ -f $OUT/e2e/results.md ]] && grep -A9 "## Targets" "$OUT/e2e/results.md"
