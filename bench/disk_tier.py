@@ -253,7 +253,8 @@ def _pattern(i: int, block: int) -> np.ndarray:
 
 
 def daemon_case(directory: Path, fmt: str, block: int, total: int, batch_bytes: int, pool_kind: str,
-                threads: int, load_bytes: int = 0, depths: tuple[int, ...] = (1,), steady: bool = False) -> dict:
+                threads: int, load_bytes: int = 0, depths: tuple[int, ...] = (1,), steady: bool = False,
+                restart: bool = False) -> dict:
     """load_bytes: blocks per Load (default: batch_bytes, one Store's worth); the host tier holds
     the blocks of the most Loads in flight (or one Store's, whichever is more), so every Load's
     disk blocks land in host slots and every block beyond it spills.
@@ -264,7 +265,11 @@ def daemon_case(directory: Path, fmt: str, block: int, total: int, batch_bytes: 
     steady state of a running daemon, and what the raw sweep (rewrites of one file) measures.
     Cold load: the spilled blocks of the last pass, split between `depths` (Loads in flight at
     once: 1 = one after another; more = an engine whose parked requests each wait on a Load, as
-    model_runner's scheduler submits them), page cache dropped before each."""
+    model_runner's scheduler submits them), page cache dropped before each. Without `restart` the host
+    tier is then full of the last pass's blocks, none of them on disk: a Load's disk blocks find no free or
+    clean host slot, land in scratch buffers and are onboarded after the reply, spilling the blocks they
+    replace. restart: the daemon is stopped (SIGTERM) and started again on the same disk before the Loads,
+    so the host tier is empty and every Load lands straight in free host slots (a restarted daemon)."""
     import torch
 
     from engine_client import KVClient, Namespace
@@ -318,6 +323,13 @@ def daemon_case(directory: Path, fmt: str, block: int, total: int, batch_bytes: 
         steady_gbps = 0.0
         if steady:
             hashes, steady_gbps = spill_pass()
+        if restart:
+            client.close()
+            d.stop()
+            d.start(timeout=120)
+            client = KVClient(d.target, Namespace("bench-disk", "uint8", 16, "block-contiguous"), pool,
+                              client_name="bench/disk_tier.py", timeout=600.0)
+            client.connect(required=True)
         cache = ""
         loads: dict[int, float] = {}
         cut = [spilled * k // len(depths) for k in range(len(depths) + 1)]
@@ -337,7 +349,7 @@ def daemon_case(directory: Path, fmt: str, block: int, total: int, batch_bytes: 
         client.close()
         return {"format": fmt, "block": block, "blocks": spilled, "load_bytes": per_load * block,
                 "spill_gbps": spill_gbps, "steady_spill_gbps": steady_gbps, "load_gbps": loads[depths[0]],
-                "loads_by_depth": loads, "exact": exact, "cache": cache, "pool": pool_kind,
+                "loads_by_depth": loads, "exact": exact, "cache": cache, "pool": pool_kind, "restart": restart,
                 "files_bytes": files, "capacity": capacity}
     finally:
         d.close()
@@ -445,6 +457,9 @@ def main() -> int:
                    "the spilled blocks are split between them (1: one Load after another)")
     p.add_argument("--steady", action="store_true", help="daemon part: a second spill pass into the full tier "
                    "(every spill evicts an older disk block and rewrites its slot), reported beside the first")
+    p.add_argument("--restart-before-loads", action="store_true",
+                   help="daemon part: restart the daemon before the cold Loads (empty host tier: every Load lands "
+                        "in free host slots, no scratch, no onboarding spills)")
     p.add_argument("--writers", type=int, default=4, help="threads calling write (the daemon's writer pool)")
     p.add_argument("--readers", type=int, default=4, help="threads calling read")
     p.add_argument("--io-threads", type=int, default=32, help="DiskStore's own request threads (the daemon's)")
@@ -488,9 +503,10 @@ def main() -> int:
                 for fmt_ in a.formats.split(","):
                     for lb in (a.load_bytes.split(",") if a.load_bytes else [""]):
                         r = daemon_case(work, fmt_, parse_size(b), parse_size(a.total), parse_size(a.batch_bytes),
-                                        a.pool, a.readers, parse_size(lb) if lb else 0, depths, a.steady)
+                                        a.pool, a.readers, parse_size(lb) if lb else 0, depths, a.steady,
+                                        a.restart_before_loads)
                         result["daemon"].append(r)
-                        print(f"(daemon {fmt_} {b}: spill {r['spill_gbps']:.2f}, steady {r['steady_spill_gbps']:.2f}, "
+                        print(f"(daemon {fmt_} {b}{' after a restart' if r['restart'] else ''}: spill {r['spill_gbps']:.2f}, steady {r['steady_spill_gbps']:.2f}, "
                               f"load by depth {', '.join(f'{k}: {v:.2f}' for k, v in r['loads_by_depth'].items())} GB/s, "
                               f"exact {r['exact']})", flush=True)
         if "raw" in parts:
