@@ -6,7 +6,8 @@
 #   1. raw sweep + the DiskStore alone (the limits of this run)
 #   2. the daemon as before, its disk threads 4, 8, 16 (--readers sets the daemon's reader and writer threads)
 #   3. the daemon restarted before its Loads (empty host tier: every Load lands in free host slots, no scratch
-#      buffers, no onboarding spills competing with the reads)
+#      buffers, no onboarding spills competing with the reads), with 64 MiB and 256 MiB Loads (the 256 MiB Loads
+#      read at 0.92 GB/s into a full host tier, below the 64 MiB ones' 1.18: scratch, or too few reads in flight?)
 #   bash scripts/device_disk_probe.sh [DISK_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,5 +27,5 @@ timeout 150 "${B[@]}" --parts raw,store --out "$OUT/limits.json" 2>&1 | grep -v 
 for t in 4 8 16; do
   timeout 60 "${B[@]}" --parts daemon --readers "$t" --out "$OUT/daemon-t$t.json" 2>&1 | grep "^(daemon" | sed "s/^/threads $t: /"
 done | tee "$OUT/daemon.md"
-timeout 60 "${B[@]}" --parts daemon --restart-before-loads --out "$OUT/daemon-restart.json" 2>&1 | grep "^(daemon" \
+timeout 100 "${B[@]}" --parts daemon --restart-before-loads --load-bytes 64MiB,256MiB --out "$OUT/daemon-restart.json" 2>&1 | grep "^(daemon" \
   | sed "s/^/threads 4: /" | tee -a "$OUT/daemon.md"
