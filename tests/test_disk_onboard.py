@@ -158,3 +158,65 @@ async def test_a_prefetch_into_a_dirty_host_tier_is_staged_as_one_batch(tmp_path
             assert [(r.status, r.tier) for r in res] == [(LoadStatus.LOADED, Tier.HOST)] * N
         finally:
             pool.close()
+
+
+async def test_a_prefetch_cancelled_while_its_victims_spill_leaves_nothing_half_made(tmp_path, monkeypatch):
+    """Scenario: a Prefetch's 16 disk blocks land in scratch (the host tier full of blocks not yet on
+    disk) and its one onboarding waits for the victims' spill writes, which are held at the segment
+    I/O boundary. The call is cancelled there (its engine gone): it raises CancelledError, holds no
+    pin and no lease afterwards, no slot is left that no block owns, and once the writes let go the
+    audit is clean, the victims are on disk and the prefetched blocks still load byte-exact."""
+    gate, entered = threading.Event(), threading.Event()
+    real_write = segment.os_pwritev
+
+    def held(fd, bufs, off):
+        entered.set()
+        gate.wait(10)
+        return real_write(fd, bufs, off)
+
+    cfg = small_config(tmp_path, disk_blocks=4 * N, host_capacity_bytes=N * BLOCK, prefetch_share=1.0,
+                       prefetch_total_share=1.0)
+    try:
+        async with started_cache(cfg) as cache:
+            pool = Pool(num_blocks=4 * N)
+            try:
+                eng = Engine(cache, pool)
+                await _dirty_host(cache, eng)
+                monkeypatch.setattr(segment, "os_pwritev", held)
+                await eng.store(list(range(2 * N, 3 * N)))  # 16..31 fill the spill staging budget, their writes held
+                while not entered.is_set():
+                    await asyncio.sleep(0.005)
+                onboarding = asyncio.Event()
+                real_onboard = cache.tiers.onboard_many
+
+                async def onboard_many(entries, bufs):
+                    onboarding.set()
+                    return await real_onboard(entries, bufs)
+
+                monkeypatch.setattr(cache.tiers, "onboard_many", onboard_many)
+                task = asyncio.ensure_future(cache.prefetch(eng.sid, [h(i) for i in range(N)]))
+                await asyncio.wait_for(onboarding.wait(), 10)  # read into scratch; now it waits for its victims' room
+                await asyncio.sleep(0.05)
+                assert not task.done() and cache.tiers.reads_in_flight == 0
+                assert all(_get(cache, i).slot < 0 for i in range(N))  # not onboarded yet
+                task.cancel()
+                try:
+                    await task
+                    raise AssertionError("the cancelled Prefetch returned")
+                except asyncio.CancelledError:
+                    pass
+                now = cache.clock.now()
+                assert all(_get(cache, i).pins == 0 and _get(cache, i).lease_until <= now for i in range(N))
+                assert cache.tiers.host.loose_bytes == 0
+                assert cache.audit(idle=False) == []
+                gate.set()
+                monkeypatch.setattr(segment, "os_pwritev", real_write)
+                await _settled(cache)
+                assert cache.audit() == []
+                assert all(_get(cache, i).disk == DiskState.ON_DISK for i in range(N, 2 * N))
+                res = await eng.load(list(range(N)))  # Engine.load compares the bytes
+                assert all(r.status == LoadStatus.LOADED for r in res)
+            finally:
+                pool.close()
+    finally:
+        gate.set()
