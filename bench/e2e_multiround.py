@@ -121,8 +121,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lmb-users", type=int, default=4)
     p.add_argument("--lmb-rounds", type=int, default=3)
     p.add_argument("--lmb-qps", type=float, default=1.0)
-    p.add_argument("--lmb-system-prompt", type=int, default=300, help="LMBenchmark 'tokens' (words 'hi')")
-    p.add_argument("--lmb-history", type=int, default=1500)
+    p.add_argument("--lmb-system-prompt", type=int, default=0,
+                   help="LMBenchmark 'tokens' (words 'hi') [300; 40 for the tiny preset, whose pool holds 1440 tokens]")
+    p.add_argument("--lmb-history", type=int, default=0, help="[1500; 120 for the tiny preset]")
     p.add_argument("--lmb-answer", type=int, default=16)
     p.add_argument("--lmb-seconds", type=int, default=25)
     p.add_argument("--engine-start-timeout", type=float, default=240.0)
@@ -130,6 +131,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.dtype = a.dtype or ("float32" if a.device == "cpu" else "bfloat16")
     a.served_name = a.served_name or a.model
     a.no_reuse_tokens = a.no_reuse_tokens or (200 if a.model == "tiny" else 4096)
+    a.lmb_system_prompt = a.lmb_system_prompt or (40 if a.model == "tiny" else 300)
+    a.lmb_history = a.lmb_history or (120 if a.model == "tiny" else 1500)
     a.no_reuse_half_seconds = a.no_reuse_half_seconds or (3.0 if a.device == "cpu" else 8.0)
     if a.miss_probe < 0:
         a.miss_probe = 4 if a.device == "cpu" else 12
