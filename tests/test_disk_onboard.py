@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from contextlib import asynccontextmanager
 
 from kvservice.core.types import LoadStatus, PrefetchStatus, Tier
 from kvservice.disk import segment
@@ -30,13 +31,39 @@ def _get(cache, i: int):
     return found[0]
 
 
+def _room_calls(cache, monkeypatch) -> list[int]:
+    """The `n` of every Tiers.make_host_room call from now on (one per eviction plan)."""
+    calls: list[int] = []
+    real = cache.tiers.make_host_room
+
+    def counted(size, n, now):
+        calls.append(n)
+        return real(size, n, now)
+
+    monkeypatch.setattr(cache.tiers, "make_host_room", counted)
+    return calls
+
+
 async def _dirty_host(cache, eng: Engine) -> None:
     """Blocks 0..15 on disk only; the host tier full of 16..31, none of them on disk yet."""
-    await eng.store(list(range(0, N)))
+    await eng.store(list(range(N)))
     await eng.store(list(range(N, 2 * N)))  # 0..15 spill
     await _settled(cache)
     assert all(_get(cache, i).slot < 0 and _get(cache, i).disk == DiskState.ON_DISK for i in range(N))
     assert all(_get(cache, i).slot >= 0 and _get(cache, i).disk == DiskState.NONE for i in range(N, 2 * N))
+
+
+@asynccontextmanager
+async def _dirty(cfg):
+    """A started cache with an engine on it, its host tier made dirty by _dirty_host: (cache, engine)."""
+    async with started_cache(cfg) as cache:
+        pool = Pool(num_blocks=4 * N)
+        try:
+            eng = Engine(cache, pool)
+            await _dirty_host(cache, eng)
+            yield cache, eng
+        finally:
+            pool.close()
 
 
 async def test_a_load_into_a_dirty_host_tier_is_onboarded_as_one_batch(tmp_path, monkeypatch):
@@ -45,32 +72,19 @@ async def test_a_load_into_a_dirty_host_tier_is_onboarded_as_one_batch(tmp_path,
     dirty blocks they replace are spilled (on disk, out of the host tier), disk_onboards counts
     16, the next Load of them is all host hits with the same bytes, and nothing is half-made."""
     cfg = small_config(tmp_path, disk_blocks=4 * N, host_capacity_bytes=N * BLOCK)
-    async with started_cache(cfg) as cache:
-        pool = Pool(num_blocks=4 * N)
-        try:
-            eng = Engine(cache, pool)
-            await _dirty_host(cache, eng)
-            calls: list[int] = []
-            real = cache.tiers.make_host_room
-
-            def counted(size, n, now):
-                calls.append(n)
-                return real(size, n, now)
-
-            monkeypatch.setattr(cache.tiers, "make_host_room", counted)
-            onboards = cache.stats.total.disk_onboards
-            res = await eng.load(list(range(N)))  # Engine.load compares the bytes
-            assert [(r.status, r.tier) for r in res] == [(LoadStatus.LOADED, Tier.DISK)] * N
-            await _settled(cache)
-            assert calls == [N]
-            assert cache.stats.total.disk_onboards == onboards + N
-            assert all(_get(cache, i).slot >= 0 for i in range(N))
-            assert all(_get(cache, i).slot < 0 and _get(cache, i).disk == DiskState.ON_DISK for i in range(N, 2 * N))
-            assert cache.audit() == []
-            res = await eng.load(list(range(N)))
-            assert [(r.status, r.tier) for r in res] == [(LoadStatus.LOADED, Tier.HOST)] * N
-        finally:
-            pool.close()
+    async with _dirty(cfg) as (cache, eng):
+        calls = _room_calls(cache, monkeypatch)
+        onboards = cache.stats.total.disk_onboards
+        res = await eng.load(list(range(N)))  # Engine.load compares the bytes
+        assert [(r.status, r.tier) for r in res] == [(LoadStatus.LOADED, Tier.DISK)] * N
+        await _settled(cache)
+        assert calls == [N]
+        assert cache.stats.total.disk_onboards == onboards + N
+        assert all(_get(cache, i).slot >= 0 for i in range(N))
+        assert all(_get(cache, i).slot < 0 and _get(cache, i).disk == DiskState.ON_DISK for i in range(N, 2 * N))
+        assert cache.audit() == []
+        res = await eng.load(list(range(N)))
+        assert [(r.status, r.tier) for r in res] == [(LoadStatus.LOADED, Tier.HOST)] * N
 
 
 async def test_an_onboard_cancelled_while_its_victims_spill_holds_no_slot_and_leaves_nothing_half_made(
@@ -90,34 +104,28 @@ async def test_an_onboard_cancelled_while_its_victims_spill_holds_no_slot_and_le
 
     cfg = small_config(tmp_path, disk_blocks=4 * N, host_capacity_bytes=N * BLOCK)
     try:
-        async with started_cache(cfg) as cache:
-            pool = Pool(num_blocks=4 * N)
-            try:
-                eng = Engine(cache, pool)
-                await _dirty_host(cache, eng)
-                monkeypatch.setattr(segment, "os_pwritev", held)
-                await eng.store(list(range(2 * N, 3 * N)))  # 16..31 fill the spill staging budget, their writes held
-                while not entered.is_set():
-                    await asyncio.sleep(0.005)
-                res = await eng.load(list(range(N)))  # no clean slot: served from scratch
-                assert [(r.status, r.tier) for r in res] == [(LoadStatus.LOADED, Tier.DISK)] * N
-                await asyncio.sleep(0.05)  # the onboarding now waits for its victims' (32..47) spills
-                assert cache._background and all(_get(cache, i).slot < 0 for i in range(N))
-                assert cache.tiers.host.loose_bytes == 0
-                host = sum(e.size for e in cache.tiers.index.values() if e.host_buf is not None)
-                assert host == cache.tiers.host.used_bytes
-                for task in list(cache._background):
-                    task.cancel()
-                gate.set()
-                monkeypatch.setattr(segment, "os_pwritev", real_write)
-                await _settled(cache)
-                assert cache.tiers.host.loose_bytes == 0
-                assert all(_get(cache, i).slot < 0 for i in range(N))  # not onboarded
-                assert cache.audit() == []
-                res = await eng.load(list(range(N)))
-                assert all(r.status == LoadStatus.LOADED for r in res)
-            finally:
-                pool.close()
+        async with _dirty(cfg) as (cache, eng):
+            monkeypatch.setattr(segment, "os_pwritev", held)
+            await eng.store(list(range(2 * N, 3 * N)))  # 16..31 fill the spill staging budget, their writes held
+            while not entered.is_set():
+                await asyncio.sleep(0.005)
+            res = await eng.load(list(range(N)))  # no clean slot: served from scratch
+            assert [(r.status, r.tier) for r in res] == [(LoadStatus.LOADED, Tier.DISK)] * N
+            await asyncio.sleep(0.05)  # the onboarding now waits for its victims' (32..47) spills
+            assert cache._background and all(_get(cache, i).slot < 0 for i in range(N))
+            assert cache.tiers.host.loose_bytes == 0
+            host = sum(e.size for e in cache.tiers.index.values() if e.host_buf is not None)
+            assert host == cache.tiers.host.used_bytes
+            for task in list(cache._background):
+                task.cancel()
+            gate.set()
+            monkeypatch.setattr(segment, "os_pwritev", real_write)
+            await _settled(cache)
+            assert cache.tiers.host.loose_bytes == 0
+            assert all(_get(cache, i).slot < 0 for i in range(N))  # not onboarded
+            assert cache.audit() == []
+            res = await eng.load(list(range(N)))
+            assert all(r.status == LoadStatus.LOADED for r in res)
     finally:
         gate.set()
 
@@ -130,34 +138,21 @@ async def test_a_prefetch_into_a_dirty_host_tier_is_staged_as_one_batch(tmp_path
     The daemon's Prefetch latency and its disk-read latency are observed once each."""
     cfg = small_config(tmp_path, disk_blocks=4 * N, host_capacity_bytes=N * BLOCK, prefetch_share=1.0,
                        prefetch_total_share=1.0)
-    async with started_cache(cfg) as cache:
-        pool = Pool(num_blocks=4 * N)
-        try:
-            eng = Engine(cache, pool)
-            await _dirty_host(cache, eng)
-            calls: list[int] = []
-            real = cache.tiers.make_host_room
-
-            def counted(size, n, now):
-                calls.append(n)
-                return real(size, n, now)
-
-            monkeypatch.setattr(cache.tiers, "make_host_room", counted)
-            out = await cache.prefetch(eng.sid, [h(i) for i in range(N)])
-            assert [r.status for r in out] == [PrefetchStatus.STAGED] * N, [r.message for r in out]
-            assert calls == [N]
-            now = cache.clock.now()
-            assert all(_get(cache, i).slot >= 0 and _get(cache, i).lease_until > now for i in range(N))
-            await _settled(cache)
-            assert all(_get(cache, i).slot < 0 and _get(cache, i).disk == DiskState.ON_DISK for i in range(N, 2 * N))
-            assert cache.stats.total.prefetch_staged == N
-            lat = {hist.name: hist.count for hist in cache.latencies}
-            assert lat["prefetch"] == 1 and lat["prefetch_read"] == 1
-            assert cache.audit() == []
-            res = await eng.load(list(range(N)))  # Engine.load compares the bytes
-            assert [(r.status, r.tier) for r in res] == [(LoadStatus.LOADED, Tier.HOST)] * N
-        finally:
-            pool.close()
+    async with _dirty(cfg) as (cache, eng):
+        calls = _room_calls(cache, monkeypatch)
+        out = await cache.prefetch(eng.sid, [h(i) for i in range(N)])
+        assert [r.status for r in out] == [PrefetchStatus.STAGED] * N, [r.message for r in out]
+        assert calls == [N]
+        now = cache.clock.now()
+        assert all(_get(cache, i).slot >= 0 and _get(cache, i).lease_until > now for i in range(N))
+        await _settled(cache)
+        assert all(_get(cache, i).slot < 0 and _get(cache, i).disk == DiskState.ON_DISK for i in range(N, 2 * N))
+        assert cache.stats.total.prefetch_staged == N
+        lat = {hist.name: hist.count for hist in cache.latencies}
+        assert lat["prefetch"] == 1 and lat["prefetch_read"] == 1
+        assert cache.audit() == []
+        res = await eng.load(list(range(N)))  # Engine.load compares the bytes
+        assert [(r.status, r.tier) for r in res] == [(LoadStatus.LOADED, Tier.HOST)] * N
 
 
 async def test_a_prefetch_cancelled_while_its_victims_spill_leaves_nothing_half_made(tmp_path, monkeypatch):
@@ -177,46 +172,61 @@ async def test_a_prefetch_cancelled_while_its_victims_spill_leaves_nothing_half_
     cfg = small_config(tmp_path, disk_blocks=4 * N, host_capacity_bytes=N * BLOCK, prefetch_share=1.0,
                        prefetch_total_share=1.0)
     try:
-        async with started_cache(cfg) as cache:
-            pool = Pool(num_blocks=4 * N)
+        async with _dirty(cfg) as (cache, eng):
+            monkeypatch.setattr(segment, "os_pwritev", held)
+            await eng.store(list(range(2 * N, 3 * N)))  # 16..31 fill the spill staging budget, their writes held
+            while not entered.is_set():
+                await asyncio.sleep(0.005)
+            onboarding = asyncio.Event()
+            real_onboard = cache.tiers.onboard_many
+
+            async def onboard_many(entries, bufs):
+                onboarding.set()
+                return await real_onboard(entries, bufs)
+
+            monkeypatch.setattr(cache.tiers, "onboard_many", onboard_many)
+            task = asyncio.ensure_future(cache.prefetch(eng.sid, [h(i) for i in range(N)]))
+            await asyncio.wait_for(onboarding.wait(), 10)  # read into scratch; now it waits for its victims' room
+            await asyncio.sleep(0.05)
+            assert not task.done() and cache.tiers.reads_in_flight == 0
+            assert all(_get(cache, i).slot < 0 for i in range(N))  # not onboarded yet
+            task.cancel()
             try:
-                eng = Engine(cache, pool)
-                await _dirty_host(cache, eng)
-                monkeypatch.setattr(segment, "os_pwritev", held)
-                await eng.store(list(range(2 * N, 3 * N)))  # 16..31 fill the spill staging budget, their writes held
-                while not entered.is_set():
-                    await asyncio.sleep(0.005)
-                onboarding = asyncio.Event()
-                real_onboard = cache.tiers.onboard_many
-
-                async def onboard_many(entries, bufs):
-                    onboarding.set()
-                    return await real_onboard(entries, bufs)
-
-                monkeypatch.setattr(cache.tiers, "onboard_many", onboard_many)
-                task = asyncio.ensure_future(cache.prefetch(eng.sid, [h(i) for i in range(N)]))
-                await asyncio.wait_for(onboarding.wait(), 10)  # read into scratch; now it waits for its victims' room
-                await asyncio.sleep(0.05)
-                assert not task.done() and cache.tiers.reads_in_flight == 0
-                assert all(_get(cache, i).slot < 0 for i in range(N))  # not onboarded yet
-                task.cancel()
-                try:
-                    await task
-                    raise AssertionError("the cancelled Prefetch returned")
-                except asyncio.CancelledError:
-                    pass
-                now = cache.clock.now()
-                assert all(_get(cache, i).pins == 0 and _get(cache, i).lease_until <= now for i in range(N))
-                assert cache.tiers.host.loose_bytes == 0
-                assert cache.audit(idle=False) == []
-                gate.set()
-                monkeypatch.setattr(segment, "os_pwritev", real_write)
-                await _settled(cache)
-                assert cache.audit() == []
-                assert all(_get(cache, i).disk == DiskState.ON_DISK for i in range(N, 2 * N))
-                res = await eng.load(list(range(N)))  # Engine.load compares the bytes
-                assert all(r.status == LoadStatus.LOADED for r in res)
-            finally:
-                pool.close()
+                await task
+                raise AssertionError("the cancelled Prefetch returned")
+            except asyncio.CancelledError:
+                pass
+            now = cache.clock.now()
+            assert all(_get(cache, i).pins == 0 and _get(cache, i).lease_until <= now for i in range(N))
+            assert cache.tiers.host.loose_bytes == 0
+            assert cache.audit(idle=False) == []
+            gate.set()
+            monkeypatch.setattr(segment, "os_pwritev", real_write)
+            await _settled(cache)
+            assert cache.audit() == []
+            assert all(_get(cache, i).disk == DiskState.ON_DISK for i in range(N, 2 * N))
+            res = await eng.load(list(range(N)))  # Engine.load compares the bytes
+            assert all(r.status == LoadStatus.LOADED for r in res)
     finally:
         gate.set()
+
+
+async def test_with_onboard_disk_hits_clean_a_load_into_a_dirty_host_tier_writes_nothing(tmp_path, monkeypatch):
+    """Scenario: onboard_disk_hits = "clean". A Load of 16 disk blocks into a host tier full of blocks
+    not yet on disk is served byte-exact from scratch, and afterwards nothing was evicted or spilled
+    for it: no make_host_room call, the 16 dirty blocks are still in host memory and still not on
+    disk, the loaded blocks stay on disk only (the next Load reads them from disk again, byte-exact),
+    and the audit is clean. (The default, "always", onboards them: the first test above.)"""
+    cfg = small_config(tmp_path, disk_blocks=4 * N, host_capacity_bytes=N * BLOCK, onboard_disk_hits="clean")
+    async with _dirty(cfg) as (cache, eng):
+        calls = _room_calls(cache, monkeypatch)
+        spills = cache.stats.total.spills
+        for _ in range(2):
+            res = await eng.load(list(range(N)))  # Engine.load compares the bytes
+            assert [(r.status, r.tier) for r in res] == [(LoadStatus.LOADED, Tier.DISK)] * N
+            await _settled(cache)
+            assert calls == [] and cache.stats.total.spills == spills
+            assert all(_get(cache, i).slot < 0 and _get(cache, i).disk == DiskState.ON_DISK for i in range(N))
+            assert all(_get(cache, i).slot >= 0 and _get(cache, i).disk == DiskState.NONE
+                       for i in range(N, 2 * N))
+            assert cache.audit() == []

@@ -732,8 +732,10 @@ class BlockCache:
                 late.append((e, r))
             srcs.append(r)
             ids.append(bids[k])
-        if late:  # as one batch: one eviction plan, the copies off the loop
+        if late and self.config.onboard_disk_hits == "always":  # as one batch: one eviction plan, copies off the loop
             self._later(t.onboard_many([e for e, _ in late], [r for _, r in late]))
+        # "clean": served from their scratch buffers only; onboarding them would spill the dirty blocks
+        # they replace, a disk write for every disk read
         return host_ids, host_slots, srcs, ids, served, tiers_of, disk_loads
 
     async def prefetch(self, session_id: SessionId, hashes: bytes | Sequence[bytes],

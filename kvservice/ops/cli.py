@@ -37,6 +37,9 @@ FLAGS: dict[str, tuple[str, str, str]] = {
     "max_ttl_seconds": ("--max-ttl", "DURATION", "clamp retention TTLs to this (e.g. 7d, 1w, 36h)"),
     "write_queue_depth": ("--write-queue-depth", "N", "disk writes that may wait for a writer (beyond those in progress)"),
     "write_queue_policy": ("--write-queue-policy", "POLICY", "wait | shed, when the write queue is full"),
+    "onboard_disk_hits": ("--onboard-disk-hits", "MODE",
+                          "always | clean: a Load's disk blocks that find no free or clean host slot are onboarded "
+                          "after the reply, spilling the blocks they replace (always), or only served (clean)"),
     "writer_threads": ("--writer-threads", "N", "disk writer threads"),
     "reader_threads": ("--reader-threads", "N", "disk reader threads"),
     "io_backend": ("--io-backend", "BACKEND", "auto | posix | kvikio"),

@@ -43,6 +43,8 @@ class Config:
     max_ttl_seconds: float = 7 * 24 * 3600.0  # larger TTLs are clamped to this
     write_queue_depth: int = 64  # spills waiting for a writer
     write_queue_policy: str = "wait"  # "wait": backpressure | "shed": drop best-effort spills
+    onboard_disk_hits: str = "always"  # a Load's disk blocks with no free or clean host slot: "always" onboarded
+    # after the reply (the blocks they replace spill) | "clean": served only (a read never causes a disk write)
     writer_threads: int = 4
     reader_threads: int = 4
     io_backend: str = "auto"  # "auto" | "posix" | "kvikio"
@@ -94,6 +96,7 @@ ENV_CONFIG_FILE = "KVSERVICE_CONFIG"
 
 ADMISSION_GATES = ("all", "retained-only", "min-reuse=K")
 WRITE_QUEUE_POLICIES = ("wait", "shed")
+ONBOARD_DISK_HITS = ("always", "clean")
 IO_BACKENDS = ("auto", "posix", "kvikio")
 DISK_FORMATS = ("segments", "files")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -356,6 +359,7 @@ def validate_config(cfg: Config) -> None:
             f"admission_gate: {cfg.admission_gate!r} is not one of {', '.join(ADMISSION_GATES)} (K an integer >= 1)"
         )
     one_of("write_queue_policy", WRITE_QUEUE_POLICIES)
+    one_of("onboard_disk_hits", ONBOARD_DISK_HITS)
     one_of("io_backend", IO_BACKENDS)
     one_of("disk_format", DISK_FORMATS)
     one_of("log_level", LOG_LEVELS)
