@@ -14,8 +14,9 @@ not the pipeline). Model figures, not a disk's: they show where a pipeline waits
 
 spill  For each --writers x --host-blocks (2 MiB blocks): --blocks spilled by DiskStore.write alone
        (--writers threads, 64 MiB calls, as bench/disk_tier.py's store part), and by an in-process
-       BlockCache (writer_threads = --writers, a host tier of --host-blocks) fed 64 MiB Stores one after
-       another, twice (into an empty disk tier, then again). GB/s, daemon / store alone, requests (most
+       BlockCache (writer_threads = --writers, a host tier of --host-blocks, a disk tier with room for
+       both passes) fed 64 MiB Stores one after another, twice (into an empty disk tier, then new
+       hashes again). GB/s, daemon / store alone, requests (most
        in flight), the write queue's high water.
 load   --blocks stored (all but the host tier's worth spill), then the spilled ones loaded back in 64 MiB
        Loads, half one after another (depth 1), half four in flight (depth 4), three ways: into the host
@@ -111,19 +112,32 @@ def store_alone(root: str, blocks: int, writers: int) -> float:
     return blocks * BLOCK / seconds / 1e9
 
 
+def _config(root: str, blocks: int, writers: int, host_blocks: int, onboard: str = "always",
+            disk_factor: float = 1.3) -> Config:
+    """The model's daemon: a disk tier of disk_factor x `blocks` 2 MiB blocks under root/disk."""
+    return replace(Config(), socket_path=os.path.join(root, "kv.sock"), host_capacity_bytes=host_blocks * BLOCK,
+                   disk_path=os.path.join(root, "disk"),
+                   disk_capacity_bytes=disk_capacity_for(int(blocks * disk_factor), BLOCK),
+                   max_batch_blocks=8192, io_backend="posix", writer_threads=writers, reader_threads=writers,
+                   write_queue_depth=1024, onboard_disk_hits=onboard)
+
+
+async def _engine(cache: BlockCache) -> tuple[Pool, str]:
+    pool = Pool(num_blocks=PER_STORE * 5, block_bytes=BLOCK)
+    sid = cache.open_session(ns_spec("model"), pool.spec, CANARY, "bench/disk_model.py").session_id
+    mem = cache._sessions.get(sid).memory
+    mem.gather_into = lambda block_ids, arena, offsets: [0] * len(block_ids)  # checksum 0: see _no_verify
+    mem.scatter_from = lambda block_ids, arena, offsets: None
+    mem.scatter = lambda block_ids, srcs: None
+    return pool, sid
+
+
 async def daemon(root: str, blocks: int, writers: int, host_blocks: int) -> tuple[float, float, int]:
     """The spill part's daemon: two passes of `blocks` 64 MiB Stores; (GB/s first, GB/s again, write queue high water)."""
-    disk = os.path.join(root, "disk")
-    os.makedirs(disk)
-    cfg = replace(Config(), socket_path=os.path.join(root, "kv.sock"), host_capacity_bytes=host_blocks * BLOCK,
-                  disk_path=disk, disk_capacity_bytes=disk_capacity_for(int(blocks * 2.5), BLOCK),
-                  max_batch_blocks=8192, io_backend="posix", writer_threads=writers, reader_threads=writers,
-                  write_queue_depth=1024)
-    cache = BlockCache(cfg, SystemClock())
+    os.makedirs(os.path.join(root, "disk"))
+    cache = BlockCache(_config(root, blocks, writers, host_blocks, disk_factor=2.5), SystemClock())
     await cache.start()
-    pool = Pool(num_blocks=PER_STORE, block_bytes=BLOCK)
-    sid = cache.open_session(ns_spec("model"), pool.spec, CANARY, "bench/disk_model.py").session_id
-    cache._sessions.get(sid).memory.gather_into = lambda block_ids, arena, offsets: [0] * len(block_ids)
+    pool, sid = await _engine(cache)
     ids = list(range(PER_STORE))
 
     async def one_pass(tag: str) -> float:
@@ -143,23 +157,6 @@ async def daemon(root: str, blocks: int, writers: int, host_blocks: int) -> tupl
         await cache.close_session(sid)
         await cache.drain_and_stop()
         pool.close()
-
-
-def _config(root: str, blocks: int, writers: int, host_blocks: int, onboard: str = "always") -> Config:
-    return replace(Config(), socket_path=os.path.join(root, "kv.sock"), host_capacity_bytes=host_blocks * BLOCK,
-                   disk_path=os.path.join(root, "disk"), disk_capacity_bytes=disk_capacity_for(int(blocks * 1.3), BLOCK),
-                   max_batch_blocks=8192, io_backend="posix", writer_threads=writers, reader_threads=writers,
-                   write_queue_depth=1024, onboard_disk_hits=onboard)
-
-
-async def _engine(cache: BlockCache) -> tuple[Pool, str]:
-    pool = Pool(num_blocks=PER_STORE * 5, block_bytes=BLOCK)
-    sid = cache.open_session(ns_spec("model"), pool.spec, CANARY, "bench/disk_model.py").session_id
-    mem = cache._sessions.get(sid).memory
-    mem.gather_into = lambda block_ids, arena, offsets: [0] * len(block_ids)  # checksum 0: see _no_verify
-    mem.scatter_from = lambda block_ids, arena, offsets: None
-    mem.scatter = lambda block_ids, srcs: None
-    return pool, sid
 
 
 async def _loads(cache: BlockCache, sid: str, hashes: list[bytes], depth: int) -> float:

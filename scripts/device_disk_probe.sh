@@ -17,13 +17,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvservice-device-out}/probe
 DISK_DIR=${1:-/tmp/bdisk}
 mkdir -p "$OUT" "$DISK_DIR"
-export PYTHONUNBUFFERED=1
-WHL=${WHL_DIR:-.whl}
-if [[ -z ${SKIP_WHEELS:-} ]] && ls "$WHL"/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHL"/*.whl || exit 1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+source scripts/device_env.sh
 B=(python3 bench/disk_tier.py --dir "$DISK_DIR" --pool cuda --total 2GiB --raw-bytes 1GiB --repeats 1 --formats segments
    --block-sizes 2MiB --load-bytes 64MiB --load-depth 1,4 --steady)
 timeout 150 "${B[@]}" --parts raw,store --out "$OUT/limits.json" 2>&1 | grep -v "^\[" | tee "$OUT/limits.md"

@@ -17,13 +17,8 @@ OUT=${OUT:-/tmp/kvservice-device-out}
 DISK_DIR=${1:-$PWD/.bench-disk}
 mkdir -p "$OUT" "$DISK_DIR"
 exec > >(tee -a "$OUT/disk_tier.log") 2>&1
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-WHL=${WHL_DIR:-.whl}
-if [[ -z ${SKIP_WHEELS:-} ]] && ls "$WHL"/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHL"/*.whl || exit 1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export NCCL_NVLS_ENABLE=0
+source scripts/device_env.sh
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader; nproc; df -hT "$DISK_DIR"
 timeout ${BENCH_S:-300} python3 bench/disk_tier.py --dir "$DISK_DIR" --pool cuda --total 2GiB --raw-bytes 1GiB \
   --repeats ${REPEATS:-2} --parts ${PARTS:-raw,store,daemon} --formats segments --load-bytes ${LOAD_BYTES:-64MiB} \

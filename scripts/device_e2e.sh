@@ -16,13 +16,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvservice-device-out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-WHL=${WHL_DIR:-.whl}
-if [[ -z ${SKIP_WHEELS:-} ]] && ls "$WHL"/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHL"/*.whl || exit 1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+source scripts/device_env.sh
 RATE=${DISK_RATE:-1.2}
 if [[ ${DISK_ORDER:-p4} == p4 ]]; then PAIR=disk_p4,disk_p0; else PAIR=disk_p0,disk_p4; fi
 COMMON=(--model 8b --device cuda --out "$OUT/e2e" --users 8 --rounds 6 --disk-rate-factor "$RATE"

@@ -66,6 +66,33 @@ async def _dirty(cfg):
             pool.close()
 
 
+@asynccontextmanager
+async def _spills_held(eng: Engine, monkeypatch):
+    """Spill writes held at the segment I/O boundary: blocks 2N..3N are stored (they fill the spill
+    staging budget; their writes wait at the boundary) before the body runs. Yields release(), which
+    lets every held write go and writes go straight through again; on exit they go in any case."""
+    gate, entered = threading.Event(), threading.Event()
+    real_write = segment.os_pwritev
+
+    def held(fd, bufs, off):
+        entered.set()
+        gate.wait(10)
+        return real_write(fd, bufs, off)
+
+    def release() -> None:
+        gate.set()
+        monkeypatch.setattr(segment, "os_pwritev", real_write)
+
+    monkeypatch.setattr(segment, "os_pwritev", held)
+    try:
+        await eng.store(list(range(2 * N, 3 * N)))
+        while not entered.is_set():
+            await asyncio.sleep(0.005)
+        yield release
+    finally:
+        gate.set()
+
+
 async def test_a_load_into_a_dirty_host_tier_is_onboarded_as_one_batch(tmp_path, monkeypatch):
     """Scenario: the Load is served byte-exact from scratch (no clean slot to land in); after the
     reply its 16 blocks are onboarded with one make_host_room call (not one per block), the 16
@@ -94,40 +121,24 @@ async def test_an_onboard_cancelled_while_its_victims_spill_holds_no_slot_and_le
     no block owns (the core's accounts balance between calls, as the property machine checks);
     its task is cancelled (the daemon stopping), the writes let go: nothing is half-made, the
     victims end on disk, and the Load's blocks still load byte-exact from disk."""
-    gate, entered = threading.Event(), threading.Event()
-    real_write = segment.os_pwritev
-
-    def held(fd, bufs, off):
-        entered.set()
-        gate.wait(10)
-        return real_write(fd, bufs, off)
-
     cfg = small_config(tmp_path, disk_blocks=4 * N, host_capacity_bytes=N * BLOCK)
-    try:
-        async with _dirty(cfg) as (cache, eng):
-            monkeypatch.setattr(segment, "os_pwritev", held)
-            await eng.store(list(range(2 * N, 3 * N)))  # 16..31 fill the spill staging budget, their writes held
-            while not entered.is_set():
-                await asyncio.sleep(0.005)
-            res = await eng.load(list(range(N)))  # no clean slot: served from scratch
-            assert [(r.status, r.tier) for r in res] == [(LoadStatus.LOADED, Tier.DISK)] * N
-            await asyncio.sleep(0.05)  # the onboarding now waits for its victims' (32..47) spills
-            assert cache._background and all(_get(cache, i).slot < 0 for i in range(N))
-            assert cache.tiers.host.loose_bytes == 0
-            host = sum(e.size for e in cache.tiers.index.values() if e.host_buf is not None)
-            assert host == cache.tiers.host.used_bytes
-            for task in list(cache._background):
-                task.cancel()
-            gate.set()
-            monkeypatch.setattr(segment, "os_pwritev", real_write)
-            await _settled(cache)
-            assert cache.tiers.host.loose_bytes == 0
-            assert all(_get(cache, i).slot < 0 for i in range(N))  # not onboarded
-            assert cache.audit() == []
-            res = await eng.load(list(range(N)))
-            assert all(r.status == LoadStatus.LOADED for r in res)
-    finally:
-        gate.set()
+    async with _dirty(cfg) as (cache, eng), _spills_held(eng, monkeypatch) as release:
+        res = await eng.load(list(range(N)))  # no clean slot: served from scratch
+        assert [(r.status, r.tier) for r in res] == [(LoadStatus.LOADED, Tier.DISK)] * N
+        await asyncio.sleep(0.05)  # the onboarding now waits for its victims' (32..47) spills
+        assert cache._background and all(_get(cache, i).slot < 0 for i in range(N))
+        assert cache.tiers.host.loose_bytes == 0
+        host = sum(e.size for e in cache.tiers.index.values() if e.host_buf is not None)
+        assert host == cache.tiers.host.used_bytes
+        for task in list(cache._background):
+            task.cancel()
+        release()
+        await _settled(cache)
+        assert cache.tiers.host.loose_bytes == 0
+        assert all(_get(cache, i).slot < 0 for i in range(N))  # not onboarded
+        assert cache.audit() == []
+        res = await eng.load(list(range(N)))
+        assert all(r.status == LoadStatus.LOADED for r in res)
 
 
 async def test_a_prefetch_into_a_dirty_host_tier_is_staged_as_one_batch(tmp_path, monkeypatch):
@@ -161,54 +172,38 @@ async def test_a_prefetch_cancelled_while_its_victims_spill_leaves_nothing_half_
     I/O boundary. The call is cancelled there (its engine gone): it raises CancelledError, holds no
     pin and no lease afterwards, no slot is left that no block owns, and once the writes let go the
     audit is clean, the victims are on disk and the prefetched blocks still load byte-exact."""
-    gate, entered = threading.Event(), threading.Event()
-    real_write = segment.os_pwritev
-
-    def held(fd, bufs, off):
-        entered.set()
-        gate.wait(10)
-        return real_write(fd, bufs, off)
-
     cfg = small_config(tmp_path, disk_blocks=4 * N, host_capacity_bytes=N * BLOCK, prefetch_share=1.0,
                        prefetch_total_share=1.0)
-    try:
-        async with _dirty(cfg) as (cache, eng):
-            monkeypatch.setattr(segment, "os_pwritev", held)
-            await eng.store(list(range(2 * N, 3 * N)))  # 16..31 fill the spill staging budget, their writes held
-            while not entered.is_set():
-                await asyncio.sleep(0.005)
-            onboarding = asyncio.Event()
-            real_onboard = cache.tiers.onboard_many
+    async with _dirty(cfg) as (cache, eng), _spills_held(eng, monkeypatch) as release:
+        onboarding = asyncio.Event()
+        real_onboard = cache.tiers.onboard_many
 
-            async def onboard_many(entries, bufs):
-                onboarding.set()
-                return await real_onboard(entries, bufs)
+        async def onboard_many(entries, bufs):
+            onboarding.set()
+            return await real_onboard(entries, bufs)
 
-            monkeypatch.setattr(cache.tiers, "onboard_many", onboard_many)
-            task = asyncio.ensure_future(cache.prefetch(eng.sid, [h(i) for i in range(N)]))
-            await asyncio.wait_for(onboarding.wait(), 10)  # read into scratch; now it waits for its victims' room
-            await asyncio.sleep(0.05)
-            assert not task.done() and cache.tiers.reads_in_flight == 0
-            assert all(_get(cache, i).slot < 0 for i in range(N))  # not onboarded yet
-            task.cancel()
-            try:
-                await task
-                raise AssertionError("the cancelled Prefetch returned")
-            except asyncio.CancelledError:
-                pass
-            now = cache.clock.now()
-            assert all(_get(cache, i).pins == 0 and _get(cache, i).lease_until <= now for i in range(N))
-            assert cache.tiers.host.loose_bytes == 0
-            assert cache.audit(idle=False) == []
-            gate.set()
-            monkeypatch.setattr(segment, "os_pwritev", real_write)
-            await _settled(cache)
-            assert cache.audit() == []
-            assert all(_get(cache, i).disk == DiskState.ON_DISK for i in range(N, 2 * N))
-            res = await eng.load(list(range(N)))  # Engine.load compares the bytes
-            assert all(r.status == LoadStatus.LOADED for r in res)
-    finally:
-        gate.set()
+        monkeypatch.setattr(cache.tiers, "onboard_many", onboard_many)
+        task = asyncio.ensure_future(cache.prefetch(eng.sid, [h(i) for i in range(N)]))
+        await asyncio.wait_for(onboarding.wait(), 10)  # read into scratch; now it waits for its victims' room
+        await asyncio.sleep(0.05)
+        assert not task.done() and cache.tiers.reads_in_flight == 0
+        assert all(_get(cache, i).slot < 0 for i in range(N))  # not onboarded yet
+        task.cancel()
+        try:
+            await task
+            raise AssertionError("the cancelled Prefetch returned")
+        except asyncio.CancelledError:
+            pass
+        now = cache.clock.now()
+        assert all(_get(cache, i).pins == 0 and _get(cache, i).lease_until <= now for i in range(N))
+        assert cache.tiers.host.loose_bytes == 0
+        assert cache.audit(idle=False) == []
+        release()
+        await _settled(cache)
+        assert cache.audit() == []
+        assert all(_get(cache, i).disk == DiskState.ON_DISK for i in range(N, 2 * N))
+        res = await eng.load(list(range(N)))  # Engine.load compares the bytes
+        assert all(r.status == LoadStatus.LOADED for r in res)
 
 
 async def test_with_onboard_disk_hits_clean_a_load_into_a_dirty_host_tier_writes_nothing(tmp_path, monkeypatch):

@@ -82,6 +82,17 @@ def shared() -> Iterator[Daemon]:
     d.close()
 
 
+def pushed_to_disk(daemon: Daemon, engines: Callable[..., Engine], ids: list[int], filler: list[int], spills: int,
+                   max_tokens: int = 6) -> None:
+    """ids written through by one engine, then pushed out of the host tier by the `filler` prompt; returns
+    once the daemon has counted `spills` spills."""
+    a = engines(daemon.target)
+    run(a, ids, max_tokens=max_tokens)
+    run(a, filler, max_tokens=2)
+    a.stop()
+    wait_until(lambda: daemon.stats().counters.spills >= spills, what="spills to disk")
+
+
 def stored_blocks(d: Daemon) -> int:
     return d.stats().counters.stores
 
@@ -132,11 +143,7 @@ def test_disk_tier_load_gives_the_same_tokens(daemon: Daemon, engines: Callable[
     """Scenario: the daemon's host tier holds 8 blocks. Engine A writes through a 7-block prompt, then an
     8-block one that pushes the first to disk; engine B loads the first from disk: same tokens."""
     ids = tokens(4, 7 * TPB + 9)
-    a = engines(daemon.target)
-    run(a, ids)
-    run(a, tokens(40, 8 * TPB + 3), max_tokens=2)
-    a.stop()
-    wait_until(lambda: daemon.stats().counters.spills >= 7, what="spills to disk")
+    pushed_to_disk(daemon, engines, ids, tokens(40, 8 * TPB + 3), spills=7)
     b = engines(daemon.target, load_policy="always", prefetch_reqs=0)  # a prefetch job could stage it first
     r = run(b, ids)
     assert r.kv_source == "loaded" and r.cached_tokens == 7 * TPB
@@ -239,11 +246,7 @@ def test_queued_request_is_prefetched(daemon: Daemon, engines: Callable[..., Eng
     """Scenario: max_running=1, so a request whose prefix sits on disk queues behind a long decode;
     the engine prefetches its blocks into the host tier while it waits, then loads them."""
     ids = tokens(12, 6 * TPB + 3)
-    a = engines(daemon.target)
-    run(a, ids)
-    run(a, tokens(42, 8 * TPB + 3), max_tokens=2)
-    a.stop()
-    wait_until(lambda: daemon.stats().counters.spills >= 6, what="spills to disk")
+    pushed_to_disk(daemon, engines, ids, tokens(42, 8 * TPB + 3), spills=6)
     b = engines(daemon.target, max_running=1, load_policy="always")
     busy = b.submit(GenerationRequest(tokens(13, 30), max_tokens=60))
     queued = b.submit(GenerationRequest(ids, max_tokens=6))
@@ -415,11 +418,7 @@ def test_prefetcher_stages_a_chain_head_first_in_chunks_up_to_its_first_gap(
     daemon never saw, in chunks of 4 (two calls in flight): three Prefetch calls, 10 blocks staged (the head
     chunk in host memory as soon as it is answered), the job stops at the gap; a cancelled job asks nothing."""
     ids = tokens(60, 10 * TPB + 3)
-    a = engines(daemon.target)
-    run(a, ids, max_tokens=2)
-    run(a, tokens(61, 34 * TPB + 3), max_tokens=2)
-    a.stop()
-    wait_until(lambda: daemon.stats().counters.spills >= 12, what="spills to disk")
+    pushed_to_disk(daemon, engines, ids, tokens(61, 34 * TPB + 3), spills=12, max_tokens=2)
     b = engines(daemon.target, prefetch_reqs=0)
     hashes = b.sched.hasher.hash_blocks(ids[: 10 * TPB])
     assert b.client is not None
@@ -452,11 +451,7 @@ def head_in_host_rest_on_disk(daemon: Daemon, engines: Callable[..., Engine]) ->
     """A 6-block prompt (+3 tokens) whose 2-block head is in the daemon's 8-block host tier and the rest on
     disk: written through by one engine, pushed to disk by an 8-block prompt, its head loaded back."""
     ids = tokens(80, 6 * TPB + 3)
-    a = engines(daemon.target)
-    run(a, ids)
-    run(a, tokens(81, 8 * TPB + 3), max_tokens=2)
-    a.stop()
-    wait_until(lambda: daemon.stats().counters.spills >= 6, what="spills to disk")
+    pushed_to_disk(daemon, engines, ids, tokens(81, 8 * TPB + 3), spills=6)
     # No prefetch: a prefetch job could stage the head before admission (then its Load is a host hit, as the
     # box's timing has it); without one the Load reads it from disk and onboards it into host memory.
     c = engines(daemon.target, load_policy="always", prefetch_reqs=0)

@@ -510,23 +510,11 @@ class Tiers:
         self.stats.bump(e.namespace, "disk_onboards")
         return True
 
-    async def onboard_evicting(self, e: Entry, buf: torch.Tensor) -> bool:
-        if self.index.get_any(e.key) is not e or e.in_memory:
-            return False
-        now = self.now()
-        fit, spills = self.make_host_room(e.size, 1, now)
-        if not fit:
-            return False
-        wait = self.room_after(spills, now, e.size, 1)
-        if wait is not None:
-            await asyncio.shield(wait)
-        return self.onboard(e, buf)
-
     async def onboard_many(self, entries: list[Entry], bufs: list[torch.Tensor]) -> int:
-        """onboard_evicting for a batch (a Load's disk blocks that found no free or clean host
-        slot and landed in scratch buffers): per block size one make_host_room (the victims'
-        spills queued together), one wait for their room, then the slots taken, filled and given
-        to their blocks at once. A block that left the index or got a host copy meanwhile is
+        """Keep disk blocks read into scratch buffers (a Load's or a Prefetch's, that found no free
+        or clean host slot) in the host tier, evicting for them: per block size one make_host_room
+        (the victims' spills queued together), one wait for their room, then the slots taken,
+        filled and given to their blocks at once. A block that left the index or got a host copy meanwhile is
         skipped. Returns how many blocks were onboarded."""
         holds = self.index.holds
         done = 0

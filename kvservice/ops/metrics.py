@@ -155,7 +155,8 @@ class CacheCollector(Collector):
             yield GaugeMetricFamily(f"kvservice_{key}", help_text, value=s.queues.get(key, 0))
         yield GaugeMetricFamily("kvservice_sessions", "Open engine sessions", value=s.sessions)
 
-        h = HistogramMetricFamily("kvservice_latency_seconds", "Store, Load and Prefetch latency in seconds (prefetch_read: the disk reads of Prefetch calls)", labels=["op"])
+        h = HistogramMetricFamily("kvservice_latency_seconds", "Store, Load and Prefetch latency in seconds "
+                                  "(prefetch_read: the disk reads of Prefetch calls)", labels=["op"])
         for name, bounds, counts, count, total in s.latencies:
             cumulative, buckets = 0, []
             for bound, n in zip(bounds, counts):
