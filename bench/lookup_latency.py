@@ -2,8 +2,13 @@
 each channel the daemon serves it on, each beside that channel's empty round trip, in one run.
 
     .venv/bin/python bench/lookup_latency.py [--hashes 1024] [--iters 2000] [--stored 1024]
+        [--namespace-blocks 200000 [--scatter]] [--channel-only]
 
-Starts a real daemon subprocess, stores `--stored` blocks, then times, one call at a time:
+Starts a real daemon subprocess, stores `--stored` blocks of the looked-up chain (and, with
+`--namespace-blocks N`, other blocks of the same namespace up to N in all: a daemon's dict probes
+miss the CPU caches once its index is large; `--scatter` spreads the chain's blocks among them, one
+Store batch after another, instead of one run as an engine's prompt stores them), then times, one
+call at a time:
   Lookup channel  the daemon's plain Unix socket (<socket_path>.lookup, kvservice/api/lookup_channel.py):
                   its empty round trip (KVClient.lookup of 0 hashes), and Lookup of `--hashes` through
                   KVClient.lookup, KVClient.submit_lookup(...).result() and submit_lookup until its done
@@ -15,7 +20,8 @@ Starts a real daemon subprocess, stores `--stored` blocks, then times, one call 
                   socket, no interceptor, no servicer), from a synchronous and from a grpc.aio channel.
 The synchronous calls are interleaved in `--rounds` rounds (a busy box's noise falls on all alike);
 the two grpc.aio rows run after them. Checks that both channels answer the same. Prints one Markdown table, the ratio of each KVClient
-Lookup to the target, and whether the target holds.
+Lookup to the target, and whether the target holds. `--channel-only`: the Lookup channel's rows
+alone (no gRPC, no floor, no AsyncKVClient), for quick A/B runs.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -99,6 +106,26 @@ class EchoServer:
 
 
 TARGET_P50_MS, TARGET_P99_MS = 0.3, 1.0
+STORE_BATCH = 1024
+
+
+def fill_namespace(client: KVClient, chain: list[bytes], others: int, scatter: bool) -> None:
+    """Store the chain's blocks and `others` random ones, in Store batches of STORE_BATCH: the chain
+    first as one run, or (scatter) each batch holding an equal share of the chain among the others."""
+    rng = random.Random(10)
+    filler = [rng.randbytes(32) for _ in range(others)]
+    if scatter and chain and filler:
+        batches = max(1, -(-(len(chain) + len(filler)) // STORE_BATCH))
+        order: list[bytes] = []
+        for b in range(batches):
+            order += chain[b * len(chain) // batches:(b + 1) * len(chain) // batches]
+            order += filler[b * len(filler) // batches:(b + 1) * len(filler) // batches]
+    else:
+        order = chain + filler
+    for i in range(0, len(order), STORE_BATCH):
+        part = order[i:i + STORE_BATCH]
+        statuses = client.store(part, list(range(len(part)))).statuses
+        assert set(statuses) == {kvcache_pb2.STORED}, f"Store batch {i // STORE_BATCH}: {sorted(set(statuses))}"
 
 
 def to_callback(client: KVClient, hashes: list[bytes]) -> Callable[[], float]:
@@ -154,24 +181,31 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=2000)
     p.add_argument("--rounds", type=int, default=10, help="the synchronous calls, interleaved in this many rounds")
     p.add_argument("--stored", type=int, default=1024, help="how many of the looked-up blocks are stored")
+    p.add_argument("--namespace-blocks", type=int, default=0,
+                   help="blocks stored in the namespace in all (the chain's `--stored` among them; 0: those alone)")
+    p.add_argument("--scatter", action="store_true",
+                   help="store the chain's blocks spread among the namespace's others (default: one run, first)")
+    p.add_argument("--block-bytes", type=int, default=4096)
+    p.add_argument("--channel-only", action="store_true", help="the Lookup channel's rows alone")
     p.add_argument("--role", default="bench")
     p.add_argument("--socket", default="")
     a = p.parse_args()
     if a.role == "echo":
         return echo_server(a.socket)
     ns = Namespace("bench-lookup", "float16", 16, "block-contiguous")
-    block_bytes = 4096
+    block_bytes = a.block_bytes
     n = a.hashes
-    with Daemon(host_capacity="64MiB", disk_capacity="", extra=["--lease-seconds", "600"]) as d, \
-            ShmKVPool(max(a.stored, 1), block_bytes) as pool, \
+    total = max(a.namespace_blocks, a.stored)
+    host_mib = max(64, -(-total * block_bytes * 11 // 10 >> 20) + 16)
+    with Daemon(host_capacity=f"{host_mib}MiB", disk_capacity="", extra=["--lease-seconds", "600"]) as d, \
+            ShmKVPool(max(a.stored, 1, min(total, STORE_BATCH)), block_bytes) as pool, \
             KVClient(d.target, ns, pool, client_name="lookup bench") as client, \
             KVClient(d.target, ns, pool, client_name="lookup bench grpc", lookup_channel=False) as grpc_client, \
             EchoServer() as echo, grpc.insecure_channel(echo.target) as echo_channel, \
             grpc.insecure_channel(d.target) as chan, \
             socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
         hashes = BlockHasher(ns).hash_blocks(list(range(16 * n)))
-        if a.stored:
-            client.store(hashes[: a.stored], list(range(a.stored)))
+        fill_namespace(client, hashes[: a.stored], total - a.stored, a.scatter)
         expected = client.lookup(hashes)
         assert expected[0] == min(a.stored, n)
         assert grpc_client.lookup(hashes) == expected == client.submit_lookup(hashes).result()
@@ -201,6 +235,8 @@ def main() -> None:
             (g, f"Lookup x{n}: raw stub, sync channel", lambda: stub.Lookup(lk, timeout=10), False),
             ("floor", "bare grpc.aio echo server, empty call, sync channel", lambda: echo_call(b"", timeout=10), False),
         ]
+        if a.channel_only:
+            calls = [c for c in calls if c[0] == ch]
         rows = interleaved(calls, a.iters, a.rounds)
 
         async def aio() -> tuple[list[float], list[float], list[float]]:
@@ -213,14 +249,17 @@ def main() -> None:
                 return (await timed_async(lambda: ac.lookup(hashes), a.iters),
                         await timed_async(lambda: ag.lookup(hashes), a.iters),
                         await timed_async(lambda: f(b"", timeout=10), a.iters))
-        async_channel, async_grpc, aio_floor = asyncio.run(aio())
-        rows.append((ch, f"Lookup x{n}: AsyncKVClient.lookup in its loop (not interleaved)", async_channel, False))
-        rows.append((g, f"Lookup x{n}: AsyncKVClient.lookup in its loop (not interleaved)", async_grpc, False))
-        rows.append(("floor", "bare grpc.aio echo server, empty call, grpc.aio channel (not interleaved)", aio_floor,
-                     False))
+        if not a.channel_only:
+            async_channel, async_grpc, aio_floor = asyncio.run(aio())
+            rows.append((ch, f"Lookup x{n}: AsyncKVClient.lookup in its loop (not interleaved)", async_channel, False))
+            rows.append((g, f"Lookup x{n}: AsyncKVClient.lookup in its loop (not interleaved)", async_grpc, False))
+            rows.append(("floor", "bare grpc.aio echo server, empty call, grpc.aio channel (not interleaved)",
+                         aio_floor, False))
         assert client.lookup(hashes) == expected and client.lookup_route == "lookup channel"
 
-    print(f"Lookup of {n} hashes ({a.stored} stored), {a.iters} calls of each, one at a time, interleaved in "
+    where = (f"; {total} blocks in the namespace, the chain's {'scattered among them' if a.scatter else 'stored first'}"
+             if total > a.stored else "")
+    print(f"Lookup of {n} hashes ({a.stored} stored{where}), {a.iters} calls of each, one at a time, interleaved in "
           f"{a.rounds} rounds, Unix sockets; target p50 <= {TARGET_P50_MS} ms, p99 <= {TARGET_P99_MS} ms "
           "(ratio = figure / target: <= 1 holds)\n")
     print("| channel | call | p50 ms | p99 ms | mean ms | p50 / target | p99 / target |")
