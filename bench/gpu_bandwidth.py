@@ -33,6 +33,7 @@ Prints Markdown tables; --out writes every figure as JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import asyncio
 import json
 import mmap
@@ -260,8 +261,10 @@ def _check(results, status: int, what: str, tier: int | None = None) -> None:
 
 
 def host_tier(pool, workdir: Path, sizes: list[int], batch: int, reps: int,
-              layouts: list[str]) -> tuple[list[dict], str]:
-    """A fresh daemon per batch size: the first (layout, size) case's first Store is the daemon's first."""
+              layouts: list[str], pyspy_dir: str = "") -> tuple[list[dict], str]:
+    """A fresh daemon per batch size: the first (layout, size) case's first Store is the daemon's first.
+    pyspy_dir: sample the daemon with py-spy during each case's rounds (bench/daemon_sampling.py; one raw file a case)."""
+    from daemon_sampling import recording
     out = []
     # two batches: from the third Store on, each evicts one (steady state)
     with Daemon(workdir, f"host{batch >> 20}", host=2 * batch) as d:
@@ -277,7 +280,11 @@ def host_tier(pool, workdir: Path, sizes: list[int], batch: int, reps: int,
                 def daemon_seconds(name: str) -> float:
                     """The daemon's own time in Store / Load so far (Admin.Stats latency sums): cache + copies, no gRPC."""
                     return next((x.sum for x in d.admin("Stats").latencies if x.name == name), 0.0)
+                spy = contextlib.ExitStack()
                 try:
+                    if pyspy_dir:  # the rounds only: not the client's connect, not the Evict below
+                        spy.enter_context(recording(
+                            d.proc.pid, os.path.join(pyspy_dir, f"host-{batch >> 20}MiB-{layout}-{kib}KiB.txt")))
                     st, lt, dst_t, dlt, exact, first = [], [], [], [], True, 0.0
                     rounds: list[list[float]] = []  # per round: store, daemon's store, load, daemon's load (ms)
                     for rep in range(reps + WARMUP):
@@ -306,6 +313,7 @@ def host_tier(pool, workdir: Path, sizes: list[int], batch: int, reps: int,
                             dlt.append(dl1 - dl0)
                         exact = exact and view.blocks_equal(src, dst)  # every load, byte for byte
                         rounds.append([round(1e3 * x, 2) for x in (t_store, ds1 - ds0, t_load, dl1 - dl0)])
+                    spy.close()
                     row = {"block_kib": kib, "layout": layout, "blocks": n, "batch_bytes": n * bb,
                            "store_gbps": n * bb / statistics.median(st) / 1e9,
                            "store_first_gbps": n * bb / first / 1e9,
@@ -319,6 +327,7 @@ def host_tier(pool, workdir: Path, sizes: list[int], batch: int, reps: int,
                           f"{rounds}", flush=True)
                     out.append(row)
                 finally:
+                    spy.close()
                     c.close()
                 d.admin("Evict", all=True)
         backend = d.admin("Stats").io_backend
@@ -508,6 +517,8 @@ def main() -> None:
     ap.add_argument("--io-threads", type=int, default=8)
     ap.add_argument("--out", default="")
     ap.add_argument("--profile", default="")
+    ap.add_argument("--pyspy", default="", help="a folder: sample the daemon with py-spy in each host-tier case "
+                    "(bench/daemon_sampling.py summarizes; needs the py-spy binary)")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: datapath,host,disk")
     ap.add_argument("--role", default="engine")
     args = ap.parse_args()
@@ -550,7 +561,8 @@ def main() -> None:
             section("datapath", lambda: run.__setitem__("datapath", datapath(pool, args, batch)))
 
             def host() -> None:
-                run["host"], result["io_backend"] = host_tier(pool, work, args.sizes, batch, args.reps, args.layouts)
+                run["host"], result["io_backend"] = host_tier(pool, work, args.sizes, batch, args.reps, args.layouts,
+                                                               args.pyspy)
             section("host", host)
         result["pinned"] = result["runs"][0]["pinned"]
         result["batch_bytes"] = batches[0]
