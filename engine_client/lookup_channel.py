@@ -1,8 +1,8 @@
 """The engine's side of the Lookup channel: Lookup as frames on a plain Unix socket, no gRPC.
 
     channel = LookupChannel(path, timeout)     # path: OpenSessionReply.lookup_socket
-    reply = channel.call(request)              # a LookupRequest -> LookupChannelReply; blocking
-    channel.pipeline().send(request, on_answer)  # the same, not blocking: on_answer(reply, failure)
+    reply = channel.call(framed)               # a framed LookupRequest -> LookupChannelReply; blocking
+    channel.pipeline().send(framed, on_answer)  # the same, not blocking: on_answer(reply, failure)
     channel.close()                            # on the pipeline's reader thread
 
     achannel = AsyncLookupChannel(path, timeout)   # the same for AsyncKVClient, in its event loop
@@ -79,8 +79,9 @@ class LookupChannel:
         """Worth trying now: not closed, and no fresh connection failed in the last DOWN_SECONDS."""
         return not self._closed and time.monotonic() >= self._down_until
 
-    def call(self, request: bytes) -> kvcache_pb2.LookupChannelReply:
-        """Send one serialized LookupRequest; the daemon's LookupChannelReply."""
+    def call(self, framed: bytes) -> kvcache_pb2.LookupChannelReply:
+        """Send one LookupRequest, serialized and framed (kvwire.lookup_frames.request_frame, or
+        frame(request.SerializeToString())); the daemon's LookupChannelReply."""
         if self._closed:
             raise ChannelDown("the Lookup channel is closed")
         try:
@@ -88,7 +89,7 @@ class LookupChannel:
         except IndexError:
             sock, reused = self._open_one(), False
         try:
-            payload = self._round_trip(sock, request)
+            payload = self._round_trip(sock, framed)
         except ChannelDown:
             if not reused:
                 self._down_until = time.monotonic() + DOWN_SECONDS
@@ -96,7 +97,7 @@ class LookupChannel:
             self._drop_idle()  # connections of the same daemon life: a restart broke them all
             sock = self._open_one()
             try:
-                payload = self._round_trip(sock, request)
+                payload = self._round_trip(sock, framed)
             except ChannelDown:
                 self._down_until = time.monotonic() + DOWN_SECONDS
                 raise
@@ -166,10 +167,10 @@ class LookupChannel:
             raise ChannelDown(f"cannot connect to {self.path}: {e.strerror or e}") from None
         return sock
 
-    def _round_trip(self, sock: socket.socket, request: bytes) -> bytes:
+    def _round_trip(self, sock: socket.socket, framed: bytes) -> bytes:
         """The answer's payload; the socket is closed on any failure."""
         try:
-            sock.sendall(frame(request), _SEND_FLAGS)
+            sock.sendall(framed, _SEND_FLAGS)
             return read_frame(sock)
         except TimeoutError:
             self._close_one(sock)
@@ -213,10 +214,9 @@ class LookupPipeline:
         self._reader = threading.Thread(target=self._read_loop, name="kvclient-lookup-reader", daemon=True)
         self._reader.start()
 
-    def send(self, request: bytes, on_answer: OnAnswer) -> bool:
-        """Write one LookupRequest; False (nothing sent, on_answer never called) when this
+    def send(self, data: bytes, on_answer: OnAnswer) -> bool:
+        """Write one LookupRequest, framed; False (nothing sent, on_answer never called) when this
         pipeline is dead or has MAX_UNANSWERED_BYTES in flight: send it another way."""
-        data = frame(request)
         with self._lock:
             if not self.alive or self._unanswered + len(data) > MAX_UNANSWERED_BYTES:
                 return False

@@ -43,6 +43,7 @@ from engine_client.hashing import BlockHasher
 from engine_client.lookup_channel import TIMED_OUT, ChannelDown, LookupChannel
 from engine_client.namespace import Namespace
 from engine_client.results import LoadResults, PrefetchStatuses, StoreResults
+from kvwire.lookup_frames import request_frame
 from kvwire.v1 import kvcache_pb2, kvcache_pb2_grpc
 
 T = TypeVar("T")
@@ -118,12 +119,12 @@ class KVClient:
             self._caller_channel(self._client.data_target)  # connects now: the first Lookup finds it READY
 
     def lookup(self, hashes: Sequence[bytes]) -> tuple[int, list[int]]:
-        session, request = self._lookup_request(hashes)
+        session, framed = self._lookup_request(hashes)
         if session is None:  # detached: an empty cache's answer
             return 0, []
-        if request is None:  # more hashes than one batch: the async client splits them
+        if framed is None:  # more hashes than one batch: the async client splits them
             return self._run(self._client.lookup(hashes))
-        return self._lookup_now(session, request, hashes)
+        return self._lookup_now(session, framed, hashes)
 
     def store(self, hashes: Sequence[bytes], block_ids: Sequence[int], ttl_seconds: float = 0.0
               ) -> StoreResults:
@@ -151,21 +152,21 @@ class KVClient:
         return self._submit(self._client.prefetch(hashes))
 
     def submit_lookup(self, hashes: Sequence[bytes]) -> concurrent.futures.Future[tuple[int, list[int]]]:
-        session, request = self._lookup_request(hashes)
+        session, framed = self._lookup_request(hashes)
         if session is None:  # detached: an empty cache's answer
             out: concurrent.futures.Future[tuple[int, list[int]]] = concurrent.futures.Future()
             out.set_result((0, []))
             return out
-        if request is None:
+        if framed is None:
             return self._submit(self._client.lookup(hashes))
         channel = self._lookup_channel(session)
         if channel is not None:
-            out = self._submit_on_pipeline(channel, session, request, hashes)
-            return out if out is not None else self._submit_on_worker(session, request, hashes)
+            out = self._submit_on_pipeline(channel, session, framed, hashes)
+            return out if out is not None else self._submit_on_worker(session, framed, hashes)
         ch = self._caller_channel(self._client.data_target)
         if not ch.ready:
             return self._submit(self._client.lookup(hashes))
-        return self._submit_grpc(session, request, ch, len(hashes))
+        return self._submit_grpc(session, _grpc_request(session, hashes), ch, len(hashes))
 
     @property
     def lookup_route(self) -> str:
@@ -178,10 +179,11 @@ class KVClient:
         return "grpc" if self.lookup_channel_ready else "loop"
 
     # --- internals: Lookup
-    def _lookup_request(self, hashes: Sequence[bytes]
-                        ) -> tuple[_Session | None, kvcache_pb2.LookupRequest | None]:
-        """(session, request) for one Lookup sent from this thread; (None, None) while detached;
-        (session, None) when the async path must split it (more hashes than one batch)."""
+    def _lookup_request(self, hashes: Sequence[bytes]) -> tuple[_Session | None, bytes | None]:
+        """(session, the Lookup channel's framed LookupRequest) for one Lookup sent from this
+        thread; (None, None) while detached; (session, None) when the async path must split it
+        (more hashes than one batch). The gRPC fallback builds its message from the hashes
+        again (_grpc_request): the usual Lookup builds no protobuf message at all."""
         if self._stopped:
             raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "KVClient is closed")
         session = self._client._current()  # raises once the client cannot be used at all (closed, refused)
@@ -189,17 +191,20 @@ class KVClient:
             return None, None
         if session.max_batch_blocks and len(hashes) > session.max_batch_blocks:
             return session, None
-        return session, kvcache_pb2.LookupRequest(session_id=session.session_id, hashes=_pack(hashes))
+        framed = request_frame(session.session_id, hashes)
+        if framed is None:
+            _pack(hashes)  # raises INVALID_ARGUMENT, naming the hash that is not HASH_BYTES bytes
+            raise KVClientError(grpc.StatusCode.INVALID_ARGUMENT, "hashes must be bytes of 32 bytes each")
+        return session, framed
 
-    def _lookup_now(self, session: _Session, request: kvcache_pb2.LookupRequest, hashes: Sequence[bytes]
-                    ) -> tuple[int, list[int]]:
+    def _lookup_now(self, session: _Session, framed: bytes, hashes: Sequence[bytes]) -> tuple[int, list[int]]:
         """One Lookup, blocking this thread: on the Lookup channel when the daemon has one and it
         answers; else gRPC (this thread's synchronous channel when READY, else the async client's)."""
         n = len(hashes)
         channel = self._lookup_channel(session)
         if channel is not None:
             try:
-                got = channel.call(request.SerializeToString())
+                got = channel.call(framed)
             except ChannelDown:
                 pass  # an older daemon, or the channel broke: the same Lookup over gRPC below
             except TimeoutError:
@@ -214,13 +219,13 @@ class KVClient:
         if not ch.ready:
             return self._run(self._client.lookup(hashes))
         try:
-            reply = ch.stub.Lookup(request, timeout=self._client.timeout)
+            reply = ch.stub.Lookup(_grpc_request(session, hashes), timeout=self._client.timeout)
         except grpc.RpcError as err:
             return self._lookup_failed(session, err.code(), err.details())
         return lookup_answer(reply, n)
 
-    def _submit_on_pipeline(self, channel: LookupChannel, session: _Session, request: kvcache_pb2.LookupRequest,
-                            hashes: Sequence[bytes]) -> concurrent.futures.Future[tuple[int, list[int]]] | None:
+    def _submit_on_pipeline(self, channel: LookupChannel, session: _Session, framed: bytes, hashes: Sequence[bytes]
+                            ) -> concurrent.futures.Future[tuple[int, list[int]]] | None:
         """Write the request on the channel's pipelined connection now; its reader thread settles
         the future. None when the pipeline cannot take it (no connection, too much in flight).
         If the connection breaks before the answer, the Lookup is sent again another way."""
@@ -245,7 +250,7 @@ class KVClient:
                     answer = self._lookup_failed(session, grpc.StatusCode.DEADLINE_EXCEEDED,
                                                  f"no answer on the Lookup channel within {self._client.timeout:g} s")
                 else:  # the connection broke: ask again (a fresh connection, or gRPC)
-                    again = self._submit_on_worker(session, request, hashes)
+                    again = self._submit_on_worker(session, framed, hashes)
                     again.add_done_callback(lambda f: _settle(out, error=f.exception()) if f.exception()
                                             else _settle(out, f.result()))
                     return
@@ -254,11 +259,11 @@ class KVClient:
                 return
             _settle(out, answer)
 
-        if not pipe.send(request.SerializeToString(), on_answer):
+        if not pipe.send(framed, on_answer):
             return None
         return out
 
-    def _submit_on_worker(self, session: _Session, request: kvcache_pb2.LookupRequest, hashes: Sequence[bytes]
+    def _submit_on_worker(self, session: _Session, framed: bytes, hashes: Sequence[bytes]
                           ) -> concurrent.futures.Future[tuple[int, list[int]]]:
         """The Lookup channel's round trip is blocking: the client's Lookup thread makes it, so the
         caller (an engine's scheduler loop) never waits. A future the caller cancels is answered
@@ -269,7 +274,7 @@ class KVClient:
             if out.cancelled():
                 return
             try:
-                answer = self._lookup_now(session, request, hashes)
+                answer = self._lookup_now(session, framed, hashes)
             except BaseException as e:  # noqa: BLE001 - a refusal, or the client closed meanwhile
                 _settle(out, error=e)
                 return
@@ -390,6 +395,11 @@ class KVClient:
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self._submit(coro).result()
+
+
+def _grpc_request(session: _Session, hashes: Sequence[bytes]) -> kvcache_pb2.LookupRequest:
+    """The Lookup as gRPC sends it (the Lookup channel's frame carries the same message)."""
+    return kvcache_pb2.LookupRequest(session_id=session.session_id, hashes=_pack(hashes))
 
 
 def _settle(out: concurrent.futures.Future, result: object = None, error: BaseException | None = None) -> None:

@@ -3,6 +3,8 @@
   lookup_socket_path(socket_path)    where a daemon serves it: beside its gRPC socket
   frame(payload) -> bytes            a 4-byte little-endian length, then that many bytes
   read_frame(sock, limit) -> bytes   one frame from a blocking socket (the engine's side)
+  request_frame(session_id, hashes)  frame(LookupRequest(session_id=..., hashes=b"".join(hashes))
+                                     .SerializeToString()), the same bytes built in one join
 
 The engine sends LookupRequest frames, the daemon answers each with a LookupChannelReply frame,
 in the order asked (kvservice.v1, proto/kvservice/v1/kvcache.proto). Nothing else travels on it:
@@ -15,11 +17,15 @@ from __future__ import annotations
 
 import socket
 import struct
+from collections.abc import Sequence
 
 LOOKUP_SUFFIX = ".lookup"
 HEADER = struct.Struct("<I")
 MAX_REPLY_BYTES = 1 << 20  # a LookupChannelReply: a byte per looked-up block, or a status message
 RECV_BYTES = 1 << 16
+HASH_BYTES = 32
+# LookupRequest's field tags (kvservice.v1: session_id = 1, namespace_id = 3, hashes = 4; wire type 2)
+_SESSION_ID, _NAMESPACE_ID, _HASHES = b"\x0a", b"\x1a", b"\x22"
 
 
 class LookupFrameError(Exception):
@@ -32,6 +38,43 @@ def lookup_socket_path(socket_path: str) -> str:
 
 def frame(payload: bytes) -> bytes:
     return HEADER.pack(len(payload)) + payload
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def request_frame(session_id: str, hashes: Sequence[bytes], namespace_id: str = "") -> bytes | None:
+    """A LookupRequest of these hashes, framed: the bytes frame(LookupRequest(session_id=...,
+    namespace_id=..., hashes=b"".join(hashes)).SerializeToString()) gives (fields in number order,
+    empty ones left out, as protobuf writes them), without the message: the packed hashes are
+    copied once more, into the frame (the message, its serialization and the frame copied them
+    three times: ~2 of an engine's ~10 us for 1024 hashes). None when the hashes are not n x
+    HASH_BYTES bytes-like (the caller says which)."""
+    try:
+        packed = b"".join(hashes)
+    except TypeError:  # not bytes-like
+        return None
+    size = len(packed)
+    if size != HASH_BYTES * len(hashes):
+        return None
+    parts = [b""]
+    if session_id:
+        sid = session_id.encode()
+        parts += [_SESSION_ID, _varint(len(sid)), sid]
+    if namespace_id:
+        nid = namespace_id.encode()
+        parts += [_NAMESPACE_ID, _varint(len(nid)), nid]
+    if size:
+        parts += [_HASHES, _varint(size)]
+    parts[0] = HEADER.pack(sum(map(len, parts)) + size)
+    parts.append(packed)
+    return b"".join(parts)
 
 
 def read_frame(sock: socket.socket, limit: int = MAX_REPLY_BYTES) -> bytes:

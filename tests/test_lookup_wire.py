@@ -1,0 +1,55 @@
+"""The Lookup channel's encodings built without protobuf messages on the hot path: the engine's
+framed LookupRequest (kvwire.lookup_frames.request_frame) and the daemon's LookupChannelReply
+(kvservice.api.convert.lookup_channel_reply) carry exactly what the messages would."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvservice.api import convert
+from kvwire.lookup_frames import HEADER, frame, request_frame
+from kvwire.v1 import kvcache_pb2
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 127, 1024, 8192])
+def test_request_frame_is_the_framed_serialized_message(n):
+    rng = random.Random(n)
+    hashes = [rng.randbytes(32) for _ in range(n)]
+    for session_id, namespace_id in [("s" * 43, ""), ("", ""), ("x", "a-namespace"), ("é" * 70, "ns/ü")]:
+        want = kvcache_pb2.LookupRequest(session_id=session_id, namespace_id=namespace_id, hashes=b"".join(hashes))
+        got = request_frame(session_id, hashes, namespace_id)
+        assert got == frame(want.SerializeToString())
+        (length,) = HEADER.unpack_from(got)
+        assert length == len(got) - HEADER.size
+        assert kvcache_pb2.LookupRequest.FromString(got[HEADER.size:]) == want
+
+
+def test_request_frame_takes_any_bytes_like_hash():
+    hashes = [bytes(range(32)), bytearray(b"b" * 32), memoryview(b"c" * 32)]
+    want = kvcache_pb2.LookupRequest(session_id="s", hashes=b"".join(bytes(h) for h in hashes))
+    assert request_frame("s", hashes) == frame(want.SerializeToString())
+
+
+@pytest.mark.parametrize("hashes", [[b"x" * 31], [b"x" * 32, b"y" * 33], [b"x" * 32, 7], ["x" * 32], [None]])
+def test_request_frame_refuses_hashes_that_are_not_32_bytes(hashes):
+    assert request_frame("s", hashes) is None
+
+
+@pytest.mark.parametrize("tiers", [[], [2], [2] * 1024, [3] * 7, [2] * 100 + [3] + [2] * 5, [3, 2, 3], (2, 2, 2),
+                                   [0, 1, 2, 3, 255]])
+def test_lookup_channel_reply_carries_each_tier_as_one_byte(tiers):
+    reply = convert.lookup_channel_reply(tiers)
+    assert reply.prefix_blocks == len(tiers)
+    assert list(reply.tiers) == list(tiers)
+    assert reply.tiers == bytes(tiers)
+    back = kvcache_pb2.LookupChannelReply.FromString(reply.SerializeToString())
+    assert (back.prefix_blocks, list(back.tiers), back.code) == (len(tiers), list(tiers), "")
+
+
+def test_lookup_channel_reply_refuses_a_tier_above_a_byte():
+    with pytest.raises(ValueError):
+        convert.lookup_channel_reply([256] * 3)
+    with pytest.raises(ValueError):
+        convert.lookup_channel_reply([2, 256])
