@@ -4,7 +4,7 @@ rounds interleaved between the configurations, best of --rounds each:
 
     .venv/bin/python bench/core_pipeline_ab.py [--block-kib 64] [--blocks 16384] [--rounds 8]
 
-  parts      Stores and Loads in parts (cache.PIPELINE_BLOCKS = 2048, the default) or in one part
+  parts      Stores and Loads in parts (pipeline.PIPELINE_BLOCKS = 2048, the default) or in one part
   switch     the GIL switch interval: CPython's default 5 ms, or the daemon's 0.2 ms
 Prints Store and Load "x dma": the modeled copy time over the call's wall time (bench/core_overhead.py's
 proxy of the Store / D2H and Load / H2D ratios). Same process, same box noise for every configuration:
@@ -24,7 +24,7 @@ from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import kvservice.core.cache as cache_mod  # noqa: E402
+import kvservice.core.pipeline as pipeline_mod  # noqa: E402
 from kvservice.core.cache import BlockCache  # noqa: E402
 from kvservice.core.clock import FakeClock  # noqa: E402
 from kvservice.ops.config import Config  # noqa: E402
@@ -58,14 +58,14 @@ async def run(block_bytes: int, n: int, rounds: int, dma_gbps: float) -> None:
 
     for _ in range(3):  # the host tier full: every Store from now on evicts a batch
         await cache.store(sid, fresh(), ids)
-    configs = [(si, part) for si in (0.005, 0.0002) for part in (10**9, cache_mod.PIPELINE_BLOCKS)]
+    configs = [(si, part) for si in (0.005, 0.0002) for part in (10**9, pipeline_mod.PIPELINE_BLOCKS)]
     best: dict[tuple, float] = {}
     was = sys.getswitchinterval()
     try:
         for _ in range(rounds):
             for si, part in configs:
                 sys.setswitchinterval(si)
-                cache_mod.PIPELINE_BLOCKS = part
+                pipeline_mod.PIPELINE_BLOCKS = part
                 hs = fresh()
                 for op in ("store", "load"):
                     t0 = time.perf_counter()

@@ -13,7 +13,7 @@ import asyncio
 
 import pytest
 
-import kvservice.core.cache as cache_mod
+import kvservice.core.pipeline as pipeline_mod
 from kvservice.core.types import LoadStatus, StoreStatus
 from kvservice.memory.engine_memory import ShmEngineMemory
 from tests.corekit import BLOCK, engine_on, h, small_config, started_cache
@@ -22,8 +22,8 @@ from tests.test_store_cancellation import Gate, cancelled, until
 
 @pytest.fixture
 def parts_of_two(monkeypatch):
-    monkeypatch.setattr(cache_mod, "PIPELINE_BLOCKS", 2)
-    monkeypatch.setattr(cache_mod, "PIPELINE_FIRST", 2)
+    monkeypatch.setattr(pipeline_mod, "PIPELINE_BLOCKS", 2)
+    monkeypatch.setattr(pipeline_mod, "PIPELINE_FIRST", 2)
 
 
 @pytest.fixture

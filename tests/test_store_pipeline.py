@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 import kvservice.core.cache as cache_mod
+import kvservice.core.pipeline as pipeline_mod
 from kvservice.core.lifecycle import is_mark
 from kvservice.core.types import LoadStatus, StoreStatus
 from tests.corekit import BLOCK, engine_on, h, small_config, started_cache
@@ -62,8 +63,8 @@ def parts_of(monkeypatch):
     monkeypatch.setattr(cache_mod.BlockCache, "_store_chunk", chunk)
 
     def set_parts(blocks: int, depth: int = 2) -> list[int]:
-        monkeypatch.setattr(cache_mod, "PIPELINE_BLOCKS", blocks)
-        monkeypatch.setattr(cache_mod, "PIPELINE_DEPTH", depth)
+        monkeypatch.setattr(pipeline_mod, "PIPELINE_BLOCKS", blocks)
+        monkeypatch.setattr(pipeline_mod, "PIPELINE_DEPTH", depth)
         return planned
     set_parts.per_chunk = per_chunk
     return set_parts

@@ -1,0 +1,245 @@
+"""The Load path of BlockCache (a mixin: it runs on BlockCache's state).
+
+  load(hashes, block_ids)  pin what is found; all host hits: copied to the engine (in parts when many,
+                           pipeline.parts); disk blocks: one coalesced read that lands in host slots
+                           where there is room (their host copy, no second copy), verified, then one
+                           copy job; a block that cannot be served is MISSING or FAILED, never
+                           substituted. Pins are dropped once the copy thread is done with the slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import operator
+import time
+from collections.abc import Sequence
+
+import torch
+
+from kvservice.core import pipeline
+from kvservice.core.sessions import Session
+from kvservice.core.types import LoadResults, LoadStatus, SessionId, Tier
+from kvservice.disk.io_backend import BlockIOError
+from kvservice.memory.host_arena import HostArena
+from kvservice.placement.index import DiskState, Entry
+
+_slot_of = operator.attrgetter("slot")
+
+
+class LoadPath:
+    """Load; mixed into BlockCache, whose state it uses:
+    self._t (Tiers), self.stats, self.config, self._copy_pool, self._copy(), self._later(), self._load_latency,
+    self._session(), self._hashes(), self._block_ids()."""
+
+    async def load(self, session_id: SessionId, hashes: bytes | Sequence[bytes], block_ids: Sequence[int],
+                   namespace_id: str = "") -> LoadResults:
+        """Fill engine blocks block_ids[i] with the blocks stored as hashes[i]; returns once they landed."""
+        t0 = time.perf_counter()
+        s = self._session(session_id, namespace_id)
+        hs = self._hashes(hashes)
+        ids = self._block_ids(s, len(hs), block_ids)
+        t = self._t
+        life = t.life
+        results = LoadResults(len(hs))
+        on_disk_state = DiskState.ON_DISK
+        found: list[Entry] = list(map(t.index.namespace(s.namespace).get, hs))
+        slots = _host_slots(found)  # None unless every block is a ready host hit
+        missing = [] if slots is not None else [
+            i for i, e in enumerate(found) if e is None or not e.ready or (e.slot < 0 and e.disk != on_disk_state)]
+        if not missing:  # every block found (the usual Load): no per-block split
+            pos: list[int] = list(range(len(hs)))  # positions found
+            bids = ids
+        else:
+            gone = set(missing)
+            pos = [i for i in range(len(hs)) if i not in gone]
+            found = [found[i] for i in pos]
+            bids = [ids[i] for i in pos]
+        if missing:
+            status = results.status
+            for i in missing:
+                status[i] = LoadStatus.MISSING
+            self.stats.bump(s.namespace, "load_misses", len(missing))
+        life.pin(found)
+        if slots is not None and len(found) > 2 * pipeline.PIPELINE_BLOCKS:  # all host hits, many: copied in parts
+            await self._load_host_parts(s, found, bids, slots)
+            self._answer_loaded(results, pos, len(found))
+            self.stats.bump(s.namespace, "loads_host", len(found))
+            self._load_latency.observe(time.perf_counter() - t0)
+            return results
+        handed_over = False  # once the scatter runs, its thread drops the pins when it is done
+        try:
+            host_ids, host_slots, srcs, disk_ids, served, tiers_of, disk_loads = await self._collect_bytes(
+                s, pos, bids, found, results)
+            if host_ids or srcs:
+                handed_over = True
+                await self._copy(_scatter, s.memory, t.host.arena, host_ids, host_slots, disk_ids, srcs,
+                                 on_abandon=lambda: life.unpin(found))
+            status, tiers = results.status, results.tier
+            loaded = int(LoadStatus.LOADED)
+            if len(served) == len(status):  # all served, in order: whole-array results
+                status[:] = [loaded] * len(status)
+                tiers[:] = tiers_of
+            else:
+                for k in served:
+                    i = pos[k]
+                    status[i] = loaded
+                    tiers[i] = tiers_of[k]
+            chain = [found[k] for k in served] if len(served) < len(found) else found
+            life.loaded(s.id, chain)
+            if len(served) - disk_loads:
+                self.stats.bump(s.namespace, "loads_host", len(served) - disk_loads)
+            if disk_loads:
+                self.stats.bump(s.namespace, "loads_disk", disk_loads)
+            t.host.touch(chain)
+            if t.disk is not None:
+                t.disk.touch(chain)
+            life.unpin(found)
+        except BaseException:
+            if not handed_over:
+                life.unpin(found)
+            raise
+        self._load_latency.observe(time.perf_counter() - t0)
+        pipeline.fail_unanswered(results, LoadStatus.FAILED)
+        return results
+
+    async def _load_host_parts(self, s: Session, found: list[Entry], bids: list[int], slots: list[int]) -> None:
+        """Copy pinned host blocks to the engine in parts (_parts), at most pipeline.PIPELINE_DEPTH copies in
+        flight: each part's bookkeeping (reuse, leases used, its pins) runs beside the next part's
+        copy, the chain's LRU refresh beside the last ones. Every pin is dropped: a part's when its
+        copy has ended (also when the call is cancelled or a copy fails), one never copied at once."""
+        t = self._t
+        life = t.life
+        loop = asyncio.get_running_loop()
+        n = len(found)
+        jobs: list[tuple[asyncio.Future, int, int]] = []
+        done = 0  # jobs[:done] ended and were settled
+        try:
+            for lo, hi in pipeline.parts(n):
+                jobs.append((loop.run_in_executor(self._copy_pool, s.memory.scatter_from, bids[lo:hi], t.host.arena,
+                                                  slots[lo:hi]), lo, hi))
+                if hi >= n:  # beside the last copies: head newest, as one chain (a failed copy leaves it
+                    t.host.touch(found)  # refreshed, which is harmless)
+                    if t.disk is not None:
+                        t.disk.touch(found)
+                while len(jobs) - done >= pipeline.PIPELINE_DEPTH or (done < len(jobs) and hi >= n):
+                    fut, a, b = jobs[done]
+                    await asyncio.shield(fut)
+                    part = found[a:b]
+                    life.loaded(s.id, part)
+                    life.unpin(part)
+                    done += 1
+        except BaseException:
+            for fut, a, b in jobs[done:]:  # each part's pins go once its copy thread is done with them
+                pipeline.when_copy_ends(fut, functools.partial(life.unpin, found[a:b]))
+            life.unpin(found[jobs[-1][2] if jobs else 0:])  # parts never started
+            raise
+
+    @staticmethod
+    def _answer_loaded(results: LoadResults, pos: list[int], n: int) -> None:
+        """LOADED from the host tier for the n found blocks at positions pos."""
+        loaded, host = int(LoadStatus.LOADED), int(Tier.HOST)
+        if n == len(results.status):
+            results.status[:] = [loaded] * n
+            results.tier[:] = [host] * n
+        else:
+            status, tiers = results.status, results.tier
+            for i in pos:
+                status[i] = loaded
+                tiers[i] = host
+
+    async def _collect_bytes(self, s: Session, pos: list[int], bids: list[int], found: list[Entry],
+                             results: LoadResults):
+        """Where the found blocks' bytes come from: host slots (engine ids + slot offsets, copied
+        with one scatter_from per batch, no per-block tensor), and disk blocks read (and verified) as
+        one batch, landing in host slots that become their host copy where the host tier has room
+        (engine ids + buffers). `served`: the indexes into found that are served, in request order;
+        `tiers_of[k]`: the tier found[k] is served from."""
+        t = self._t
+        host = int(Tier.HOST)
+        # slots are pinned by the caller: a spill that finishes meanwhile leaves them in place
+        slots = list(map(_slot_of, found))
+        if not found or min(slots) >= 0:  # all host hits: one scatter_from of their slots
+            return bids, slots, [], [], range(len(found)), [host] * len(found), 0
+        on_disk = [k for k, off in enumerate(slots) if off < 0]
+        disk_entries = [found[k] for k in on_disk]
+        early: list[asyncio.Future] = []  # copies of disk blocks that landed while the rest was read
+        copied: set[int] = set()  # their indexes into found
+
+        def landed(first: int, part: list) -> None:  # read_batch's on_part, on the loop
+            ks = [on_disk[first + j] for j, (_, onboarded) in enumerate(part) if onboarded]
+            if not ks:
+                return
+            es = [found[k] for k in ks]
+            t.life.pin(es)  # the copy reads their slots: held until it has ended, whatever the Load does
+            job = asyncio.get_running_loop().run_in_executor(
+                self._copy_pool, _scatter, s.memory, t.host.arena, [bids[k] for k in ks], [e.slot for e in es], [], [])
+            job.add_done_callback(lambda _: t.life.unpin(es))
+            early.append(job)
+            copied.update(ks)
+
+        reads = await t.read_batch(disk_entries, s.memory.alloc_host, s.block_bytes, on_part=landed)
+        if early:
+            await asyncio.gather(*map(asyncio.shield, early))
+        read_of = dict(zip(on_disk, reads))
+        host_ids: list[int] = []
+        host_slots: list[int] = []
+        srcs: list[torch.Tensor] = []
+        ids: list[int] = []
+        served: list[int] = []
+        late: list[tuple[Entry, torch.Tensor]] = []  # disk blocks onboarded after the reply
+        disk_loads = 0
+        tiers_of = [host] * len(found)
+        for k, e in enumerate(found):
+            r = read_of.get(k)
+            if r is None:
+                host_ids.append(bids[k])
+                host_slots.append(e.slot)
+                served.append(k)
+                continue
+            r, onboarded = r
+            tiers_of[k] = int(Tier.DISK)
+            if isinstance(r, BaseException):
+                if not isinstance(r, (BlockIOError, OSError)):
+                    raise r
+                self.stats.bump(s.namespace, "load_failures")
+                results.set(pos[k], LoadStatus.FAILED, Tier.DISK, message=f"disk block discarded: {r}")
+                continue
+            served.append(k)
+            disk_loads += 1
+            if k in copied:  # copied to the engine as its part landed
+                continue
+            if onboarded:  # read straight into its host slot: copied with the host hits, one job
+                host_ids.append(bids[k])
+                host_slots.append(e.slot)
+                continue
+            if not t.onboard(e, r):  # no free or clean slot was left: onboarded after the reply
+                late.append((e, r))
+            srcs.append(r)
+            ids.append(bids[k])
+        if late and self.config.onboard_disk_hits == "always":  # as one batch: one eviction plan, copies off the loop
+            self._later(t.onboard_many([e for e, _ in late], [r for _, r in late]))
+        # "clean": served from their scratch buffers only; onboarding them would spill the dirty blocks
+        # they replace, a disk write for every disk read
+        return host_ids, host_slots, srcs, ids, served, tiers_of, disk_loads
+
+
+def _host_slots(found: list[Entry | None]) -> list[int] | None:
+    """The slots of found blocks when every one is ready and in host memory, else None. A plain
+    loop: Python 3.11's specialised slot reads beat map(attrgetter) passes ~2x."""
+    slots: list[int] = []
+    add = slots.append
+    for e in found:
+        if e is None or not e.ready or e.slot < 0:
+            return None
+        add(e.slot)
+    return slots if slots else None
+
+
+def _scatter(memory, arena: HostArena, host_ids: list[int], host_slots: list[int], ids: list[int],
+             srcs: list[torch.Tensor]) -> None:
+    """One copy job of a Load: host slots -> engine (scatter_from), then disk-read buffers -> engine."""
+    if host_ids:
+        memory.scatter_from(host_ids, arena, host_slots)
+    if ids:
+        memory.scatter(ids, srcs)

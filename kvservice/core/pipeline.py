@@ -1,0 +1,56 @@
+"""How a large Store or Load is cut into parts that are planned and copied in turn (parts), and
+the rules every call that hands work to a copy thread keeps:
+  parts(n) -> [(lo, hi)]          the parts of a batch of n blocks (module constants below; tests
+                                  set them small to drive the parts path with a few blocks)
+  when_copy_ends(fut, fn)         fn once an abandoned copy's thread is done with its memory
+  fail_unanswered(results, code)  a block left without a status is reported failed, never success
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+
+from kvservice.core.types import LoadResults, StoreResults
+
+# A Store chunk of more than 2 x PIPELINE_BLOCKS blocks is planned and copied in parts of that many,
+# the next part's plan beside the previous part's copy, at most PIPELINE_DEPTH copies in flight.
+# KVSERVICE_STORE_PART_BLOCKS overrides the part size (a benchmark's A/B; a huge value: one part)
+PIPELINE_BLOCKS = max(1, int(os.environ.get("KVSERVICE_STORE_PART_BLOCKS", "2048")))
+PIPELINE_FIRST = 256  # the first part: the first copy starts after a short plan; parts double from it
+PIPELINE_DEPTH = 2
+
+
+def when_copy_ends(fut: asyncio.Future, fn: Callable[[], object]) -> None:
+    """Run fn once an abandoned copy job's thread is done with its memory (now if it is), its outcome
+    retrieved: the call's failure is raised already or superseded."""
+    if fut.done():
+        if not fut.cancelled():
+            fut.exception()
+        fn()
+    else:
+        fut.add_done_callback(lambda f: (f.cancelled() or f.exception(), fn()))
+
+
+def parts(n: int) -> list[tuple[int, int]]:
+    """The (lo, hi) parts a Store chunk or a Load of n blocks is planned and copied in: one part up
+    to 2 x PIPELINE_BLOCKS; else min(PIPELINE_FIRST, PIPELINE_BLOCKS) blocks first, each part
+    twice the one before up to PIPELINE_BLOCKS."""
+    if n <= 2 * PIPELINE_BLOCKS:
+        return [(0, n)]
+    out: list[tuple[int, int]] = []
+    size, lo = min(PIPELINE_FIRST, PIPELINE_BLOCKS), 0
+    while lo < n:
+        hi = min(n, lo + size)
+        out.append((lo, hi))
+        lo, size = hi, min(2 * size, PIPELINE_BLOCKS)
+    return out
+
+
+def fail_unanswered(results: StoreResults | LoadResults, failed: int) -> None:
+    """A block the call left without a status (a core bug) is reported failed, never as success."""
+    if 0 in results.status:
+        for i, st in enumerate(results.status):
+            if st == 0:
+                results.set(i, failed, message="internal error")

@@ -1,0 +1,317 @@
+"""The Store path of BlockCache (a mixin: it runs on BlockCache's state), and retain.
+
+  store(hashes, block_ids, ttl)  validate, reserve the new hashes (lifecycle marks), answer the hits,
+                                 then per chunk the host tier can hold: make host room (evictions and
+                                 the spills they need), build the reserved entries, copy the engine's
+                                 blocks straight into their slots (in parts, pipeline.parts), commit.
+                                 Whatever was reserved and not committed is rolled back at any await.
+  retain(hashes, ttl)            extend the retention of stored blocks (deadlines only ever extend)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Sequence
+
+from kvservice.core import pipeline
+from kvservice.core.lifecycle import Reservation, is_mark
+from kvservice.core.sessions import Session
+from kvservice.core.types import SessionId, StoreResults, StoreStatus, Tier
+from kvservice.placement.index import DiskState, Entry
+
+log = logging.getLogger(__name__)
+
+
+class StorePath:
+    """Store and retain; mixed into BlockCache, whose state it uses:
+    self._t (Tiers), self.stats, self.clock, self.namespaces, self._copy_pool, self._store_latency,
+    self._session(), self._hashes(), self._block_ids()."""
+
+    async def store(self, session_id: SessionId, hashes: bytes | Sequence[bytes], block_ids: Sequence[int],
+                    ttl_seconds: float = 0.0, namespace_id: str = "") -> StoreResults:
+        """Store engine blocks block_ids[i] as hashes[i] (a chain segment, head first). Validate,
+        plan (no await), copy (one job per chunk), commit, each one pass over the batch. Every
+        reservation the plan makes - index entries that are not ready, host slots - is rolled back
+        (lifecycle.Lifecycle.rollback) if the call fails or is cancelled at any await."""
+        t0 = time.perf_counter()
+        s = self._session(session_id, namespace_id)
+        hs = self._hashes(hashes)
+        ids = self._block_ids(s, len(hs), block_ids)
+        self.namespaces.check_canary(s.namespace, s.canary)  # another session may have fixed it since
+        t = self._t
+        life = t.life
+        ttl = t.retention.clamp_ttl(ttl_seconds)
+        now = self.clock.now()
+        results = StoreResults(len(hs))
+        ns, size = s.namespace, s.block_bytes
+        blocks = t.index.namespace(ns)
+        found = list(map(blocks.get, hs))
+        touched: list[tuple[int, Entry]] = []
+        if found.count(None) == len(hs):  # all new (the usual Store): no per-block split
+            new_pos: list[int] = list(range(len(hs)))  # positions of hashes not stored yet
+            new_hashes = hs
+        else:
+            new_pos = [i for i, e in enumerate(found) if e is None]
+            touched = [(i, e) for i, e in enumerate(found) if e is not None]
+            new_hashes = [hs[i] for i in new_pos]
+        del found
+        dups: list[int] = []
+        # the new hashes are held at once (a mark each); their entries are built part by part
+        res = life.reserve_lazily(blocks, ns, new_hashes, size, now) if new_hashes else None
+        if res is None and new_hashes:  # a hash twice in one batch (nothing reserved): its first place stores it
+            first: dict[bytes, int] = {}
+            for i in new_pos:
+                first.setdefault(hs[i], i)
+            dups = [i for i in new_pos if first[hs[i]] != i]
+            new_pos = [i for i in new_pos if first[hs[i]] == i]
+            new_hashes = [hs[i] for i in new_pos]
+            res = life.reserve_lazily(blocks, ns, new_hashes, size, now)
+            assert res is not None
+        touched.extend((i, blocks[hs[i]]) for i in dups)
+        try:
+            pending = await self._store_hits(touched, ttl, now, results) if touched else []
+            if res is not None:
+                await self._store_new(s, new_pos, res, ids if len(new_pos) == len(ids) else [ids[i] for i in new_pos],
+                                      ttl, now, results)
+                life.finish(res)  # our own hashes twice in the batch (pending) wait for this
+            if pending:  # after our own blocks: two Stores that wait for each other's both commit first
+                await self._store_pending(pending, hs, blocks, ttl, now, results)
+        finally:
+            if res is not None:  # what was reserved by this call and never committed is rolled back
+                life.finish(res)
+        entries = res.entries if res is not None else []
+        if entries and entries[0].ready and self.namespaces.fix_canary(s.namespace, s.canary):
+            log.info("namespace %s: hash canary fixed by session %s, its first store", s.namespace, s.label)
+        self._store_latency.observe(time.perf_counter() - t0)
+        pipeline.fail_unanswered(results, StoreStatus.FAILED)
+        return results
+
+    async def _store_hits(self, touched: list[tuple[int, Entry]], ttl: float, now: float,
+                          results: StoreResults) -> list[tuple[int, Entry]]:
+        """Blocks of a Store that are stored already: touched, and retained if asked. Hits are
+        retained first: a block this Store retains is no victim of its own evictions. Returns the
+        hits another call is still copying in (answered by _store_pending)."""
+        t = self._t
+        self.stats.bump(touched[0][1].namespace, "store_hits", len(touched))
+        hit = [e for _, e in touched]
+        t.host.touch(hit)
+        if t.disk is not None:
+            t.disk.touch(hit)
+        # a block a concurrent Store is still copying in is answered once that one commits or not
+        pending = [(i, e) for i, e in touched if not e.ready]
+        await self._answer_already_stored([(i, e) for i, e in touched if e.ready], ttl, now, results)
+        return pending
+
+    async def _answer_already_stored(self, hits: list[tuple[int, Entry]], ttl: float, now: float,
+                                     results: StoreResults) -> None:
+        """ALREADY_STORED for ready blocks, retained for ttl when asked (new deadlines persisted)."""
+        persist: list[Entry] = []
+        already = StoreStatus.ALREADY_STORED
+        if not ttl:  # the usual hit: a status, and the deadline of a block still retained
+            status = results.status
+            for i, e in hits:
+                if e.deadline > now:
+                    results.set(i, already, e.deadline)
+                else:
+                    status[i] = already
+            return
+        for i, e in hits:
+            if self._retain_one(e, ttl, now, already, results, i):
+                persist.append(e)
+        for e in persist:
+            await self._t.persist_deadline(e)
+
+    async def _store_pending(self, pending: list[tuple[int, Entry]], hs: list[bytes], blocks: dict[bytes, Entry],
+                             ttl: float, now: float, results: StoreResults) -> None:
+        """Hits that another Store was copying in: ALREADY_STORED (and retained if asked) once it
+        committed them; NOT_STORED if it was cancelled or failed - never an acknowledgement of
+        bytes nobody kept. A hit on a Store's reservation mark (its entry not built yet) is looked
+        up again once that Store is over."""
+        waits = self._t.life.outcome([e for _, e in pending])
+        if waits:
+            await asyncio.wait(waits)
+        stored: list[tuple[int, Entry]] = []
+        for i, e in pending:
+            if is_mark(e):
+                e = blocks.get(hs[i])
+            if e is None or not e.ready:
+                results.set(i, StoreStatus.NOT_STORED,
+                            message="a concurrent Store of this block did not complete (cancelled or failed): store it again")
+            else:
+                stored.append((i, e))
+        await self._answer_already_stored(stored, ttl, now, results)
+
+    async def _store_new(self, s: Session, pos: list[int], res: Reservation, bids: list[int], ttl: float,
+                         now: float, results: StoreResults) -> None:
+        """Copy new blocks in, head first, in chunks the host tier can hold: a batch larger than
+        the host tier streams through it (earlier chunks spill as later ones arrive)."""
+        t = self._t
+        chunk = max(1, min(t.host.arena.max_slots(s.block_bytes), t.host.capacity_bytes // s.block_bytes))
+        n = len(res)
+        for lo in range(0, n, chunk):
+            hi = lo + chunk
+            stored = await self._store_chunk(s, pos[lo:hi], res, bids[lo:hi], ttl, now, results)
+            if not stored:
+                t.life.release_unbuilt(res)
+                for i in pos[hi:]:
+                    results.set(i, StoreStatus.NOT_STORED, message="no room in the host tier")
+                return
+
+    async def _store_chunk(self, s: Session, pos: list[int], res: Reservation, bids: list[int], ttl: float,
+                           now: float, results: StoreResults) -> bool:
+        """Store what fits of one chunk (the next len(pos) hashes of res); False when some of it did
+        not fit. Plan (evict, no await), wait for the spills that make the room, take slots, build the
+        reserved entries (Lifecycle.build) and place the slots on them, copy
+        the engine's blocks straight into them, commit. Cancelled or failed before the commit, the
+        reservations are rolled back; their slots go once the copy thread is done with them.
+        A chunk of more than 2 x pipeline.PIPELINE_BLOCKS is planned and copied in parts (_parts: growing
+        from pipeline.PIPELINE_FIRST to pipeline.PIPELINE_BLOCKS), the plan of a part beside the copy of the one
+        before (at most pipeline.PIPELINE_DEPTH copies in flight): the bookkeeping of a large Store runs
+        while the copy thread waits on the device, and the first copy starts after a short plan.
+        Its blocks are still committed together at the end, as one chain."""
+        t = self._t
+        life = t.life
+        n = len(pos)
+        first = len(res.entries)  # entries of earlier chunks
+        jobs: list[tuple[asyncio.Future, list[Entry]]] = []  # copies started: their futures and blocks
+        sums: list[int] = []
+        waited = 0  # jobs whose copy was awaited (their checksums are in sums)
+        placed_n = 0  # entries[:placed_n] have slots and a copy started
+        loop = asyncio.get_running_loop()
+        try:
+            for lo, hi in pipeline.parts(n):
+                want = hi - lo
+                fit, offsets = await self._host_room(s.block_bytes, want, now)
+                if fit:
+                    placed = life.build(res, fit)
+                    life.place(placed, offsets)
+                    jobs.append((loop.run_in_executor(self._copy_pool, s.memory.gather_into, bids[lo:lo + fit],
+                                                      t.host.arena, offsets), placed))
+                    placed_n = lo + fit
+                if fit < want:  # head first: when only part of the chain fits, keep its prefix
+                    self._refuse_rest(s, pos[lo + fit:], res, lo + fit, n, now, results)
+                    break
+                while len(jobs) - waited >= pipeline.PIPELINE_DEPTH or (waited < len(jobs) and hi >= n):
+                    sums += await asyncio.shield(jobs[waited][0])
+                    waited += 1
+        except BaseException:
+            for fut, placed in jobs[waited:] if waited < len(jobs) else ():
+                self._abandon_copy(fut, placed)
+            if waited:  # copied, not committed: rolled back, their slots free now
+                done = [e for _, placed in jobs[:waited] for e in placed]
+                life.rollback(done, copy_running=True)
+                life.release_aborted(done)
+            raise
+        if not placed_n:
+            return n == 0
+        while waited < len(jobs):  # the loop broke early (a part did not fit): the copies started still land
+            try:
+                sums += await asyncio.shield(jobs[waited][0])
+            except BaseException:
+                for fut, placed in jobs:
+                    self._abandon_copy(fut, placed)
+                raise
+            waited += 1
+        placed = res.entries[first:first + placed_n]
+        life.commit(placed, sums)
+        self.stats.bump(s.namespace, "stores", placed_n)
+        status = results.status
+        if not ttl:
+            if pos[placed_n - 1] - pos[0] == placed_n - 1:  # positions ascending: a contiguous run, one slice
+                status[pos[0]:pos[0] + placed_n] = [StoreStatus.STORED] * placed_n
+            else:
+                for i in pos[:placed_n]:
+                    status[i] = StoreStatus.STORED
+            return placed_n == n
+        for i, e in zip(pos, placed):
+            self._retain_one(e, ttl, now, StoreStatus.STORED, results, i)  # new: nothing on disk to persist
+        return placed_n == n
+
+    async def _host_room(self, size: int, n: int, now: float) -> tuple[int, list[int] | None]:
+        """Make room for n blocks of size (evictions, the spills they need) and take the slots:
+        (fit, offsets) for the first `fit` of them; (0, None) when none fit."""
+        t = self._t
+        fit = 0
+        for attempt in range(4):  # a concurrent Store may take the slots our spills freed: plan again
+            fit, spills = t.make_host_room(size, n if attempt == 0 else fit, now)
+            wait = t.room_after(spills, now, size, fit) if spills else None
+            if fit and wait is not None:
+                # the spills belong to the tiers, not to this call: cancelling the Store must not abandon them
+                await asyncio.shield(wait)
+            if not fit or t.host.placeable(size) >= fit:
+                break
+        if not fit:
+            return 0, None
+        fit = min(fit, t.host.placeable(size))
+        offsets = t.host.alloc(size, fit) if fit else None
+        return (fit, offsets) if offsets is not None else (0, None)
+
+    def _refuse_rest(self, s: Session, pos: list[int], res: Reservation, fit: int, n: int, now: float,
+                     results: StoreResults) -> None:
+        """The blocks of a chunk past the first `fit` of its n did not fit: out of the index (with
+        every later one of res), NOT_STORED, why."""
+        t = self._t
+        pinned, protected = t.host_blockers(now)
+        if protected:  # DESIGN §5 protect-unexpired: refused admission, counted
+            why = "the rest of it holds unexpired retained blocks that cannot spill: " + t.protection_reason()
+            self.stats.bump(s.namespace, "admission_refusals", len(pos))
+        elif pinned:
+            why = "the rest of it is pinned by loads or prefetches in flight"
+        else:
+            why = "a concurrent call took the rest"
+        message = f"host tier has room for {fit} of {n} blocks: {why}"
+        t.life.release_unbuilt(res)
+        for i in pos:
+            results.set(i, StoreStatus.NOT_STORED, message=message)
+
+    def _abandon_copy(self, fut: asyncio.Future, placed: list[Entry]) -> None:
+        """A copy into reserved slots whose Store failed or was cancelled: the reservations are
+        rolled back now, their slots go when the copy thread is done with them (_copy's rule)."""
+        life = self._t.life
+        life.rollback(placed, copy_running=True)
+        pipeline.when_copy_ends(fut, functools.partial(life.release_aborted, placed))
+
+    def _retain_one(self, e: Entry, ttl: float, now: float, status: StoreStatus, results: StoreResults,
+                    i: int) -> bool:
+        """Extend e's retention to now + ttl (ttl > 0) and record the outcome as results[i]. True
+        when the new deadline must be written to e's disk copy (await Tiers.persist_deadline)."""
+        deadline = self._t.retention.extend(e, ttl, now)
+        if deadline is None:
+            self.stats.bump(e.namespace, "retain_cap_refusals")
+            results.set(i, StoreStatus.STORED_NOT_RETAINED if status == StoreStatus.STORED else status,
+                        message="retained-bytes cap of the namespace reached; stored without retention")
+            return False
+        self._t.mark_retained(e)
+        results.set(i, status, deadline)
+        return e.disk == DiskState.ON_DISK
+
+    async def retain(self, session_id: SessionId, hashes: bytes | Sequence[bytes], ttl_seconds: float,
+                     namespace_id: str = "") -> list[float]:
+        """Extend the retention of stored blocks; the new deadline per hash, 0.0 when not stored or
+        refused by the namespace's retained-bytes cap (ttl 0 changes nothing and reads them)."""
+        s = self._session(session_id, namespace_id)
+        hashes = self._hashes(hashes)
+        t = self._t
+        ttl = t.retention.clamp_ttl(ttl_seconds)
+        now = self.clock.now()
+        get = t.index.namespace(s.namespace).get
+        out: list[float] = [0.0] * len(hashes)
+        results = StoreResults(1)
+        persist: list[Entry] = []
+        for k, h in enumerate(hashes):
+            e = get(h)
+            if e is None or not e.ready or e.tier == Tier.NONE:
+                continue
+            if not ttl:
+                out[k] = e.deadline if e.deadline > now else 0.0
+                continue
+            results.messages.clear()
+            if self._retain_one(e, ttl, now, StoreStatus.ALREADY_STORED, results, 0):
+                persist.append(e)
+            out[k] = 0.0 if results.messages else e.deadline
+        for e in persist:
+            await t.persist_deadline(e)
+        return out
