@@ -1,7 +1,8 @@
 """A Load whose disk blocks find no free or clean host slot (the host tier full of blocks not yet
 spilled) reads them into scratch buffers, serves them from there, and onboards them after the
 reply as one batch (Tiers.onboard_many): one host-room plan for all of them (their victims spill
-together), the slots taken, filled and given to their blocks with no await in between.
+together), the slots taken (loose), filled on a copy thread off the event loop, and given to their
+blocks once the copy has ended (cancelled: given back once the copy thread is done with them).
 Core-level, on real segment files; the victims' spill writes are held at the segment I/O
 boundary (os_pwritev) to cancel the onboarding while it waits for them."""
 
@@ -11,6 +12,7 @@ import asyncio
 import threading
 from contextlib import asynccontextmanager
 
+import kvservice.core.tiers as tiers_mod
 from kvservice.core.types import LoadStatus, PrefetchStatus, Tier
 from kvservice.disk import segment
 from kvservice.placement.index import DiskState
@@ -23,6 +25,16 @@ async def _settled(cache) -> None:
     while cache._background:
         await asyncio.gather(*list(cache._background), return_exceptions=True)
     await cache.tiers.drain()
+
+
+async def _cancelled(task: asyncio.Future) -> None:
+    """Cancel a Prefetch in flight; it must raise CancelledError, not return."""
+    task.cancel()
+    try:
+        await task
+        raise AssertionError("the cancelled Prefetch returned")
+    except asyncio.CancelledError:
+        pass
 
 
 def _get(cache, i: int):
@@ -188,12 +200,7 @@ async def test_a_prefetch_cancelled_while_its_victims_spill_leaves_nothing_half_
         await asyncio.sleep(0.05)
         assert not task.done() and cache.tiers.reads_in_flight == 0
         assert all(_get(cache, i).slot < 0 for i in range(N))  # not onboarded yet
-        task.cancel()
-        try:
-            await task
-            raise AssertionError("the cancelled Prefetch returned")
-        except asyncio.CancelledError:
-            pass
+        await _cancelled(task)
         now = cache.clock.now()
         assert all(_get(cache, i).pins == 0 and _get(cache, i).lease_until <= now for i in range(N))
         assert cache.tiers.host.loose_bytes == 0
@@ -225,3 +232,73 @@ async def test_with_onboard_disk_hits_clean_a_load_into_a_dirty_host_tier_writes
             assert all(_get(cache, i).slot >= 0 and _get(cache, i).disk == DiskState.NONE
                        for i in range(N, 2 * N))
             assert cache.audit() == []
+
+
+@asynccontextmanager
+async def _onboard_copies_held(monkeypatch):
+    """Tiers.onboard_many's copies (scratch -> host slots, on its copy thread) held until release();
+    yields (entered, release): entered is set once a copy is held."""
+    gate, entered = threading.Event(), asyncio.Event()
+    loop = asyncio.get_running_loop()
+    real = tiers_mod._copy_rows
+
+    def held(rows, srcs):
+        loop.call_soon_threadsafe(entered.set)
+        gate.wait(10)
+        return real(rows, srcs)
+
+    monkeypatch.setattr(tiers_mod, "_copy_rows", held)
+    try:
+        yield entered, gate.set
+    finally:
+        gate.set()
+
+
+async def test_a_load_answers_before_its_onboarding_copy_ends(tmp_path, monkeypatch):
+    """Scenario: the onboarding after a Load into a dirty host tier copies 16 blocks out of scratch
+    (up to a whole Load's bytes). That copy runs on a copy thread: held there, the Load has already
+    answered byte-exact, a Lookup is answered meanwhile (the event loop is free), the slots being
+    filled are loose (taken, no block's) and the audit of a busy cache holds; released, the blocks
+    are in host memory with the bytes that were stored, and nothing is left loose."""
+    cfg = small_config(tmp_path, disk_blocks=4 * N, host_capacity_bytes=N * BLOCK)
+    async with _dirty(cfg) as (cache, eng), _onboard_copies_held(monkeypatch) as (entered, release):
+        res = await eng.load(list(range(N)))  # Engine.load compares the bytes
+        assert [(r.status, r.tier) for r in res] == [(LoadStatus.LOADED, Tier.DISK)] * N
+        await asyncio.wait_for(entered.wait(), 10)  # the onboarding's copy is on its thread, held
+        assert cache._background and cache.tiers.host.loose_bytes == N * BLOCK
+        assert cache.lookup(eng.sid, [h(i) for i in range(N)]) == [Tier.DISK] * N
+        assert cache.audit(idle=False) == []
+        release()
+        await _settled(cache)
+        assert cache.tiers.host.loose_bytes == 0 and cache.audit() == []
+        assert all(_get(cache, i).slot >= 0 for i in range(N))
+        res = await eng.load(list(range(N)))  # from host memory now, byte-exact
+        assert [(r.status, r.tier) for r in res] == [(LoadStatus.LOADED, Tier.HOST)] * N
+
+
+async def test_a_prefetch_cancelled_during_its_onboarding_copy_gives_the_slots_back(tmp_path, monkeypatch):
+    """Scenario: a Prefetch whose 16 disk blocks landed in scratch is cancelled while its onboarding
+    copy runs (held on the copy thread). It raises CancelledError at once; the slots that copy
+    writes stay taken (loose) until the thread is done with them, then go back to the arena; the
+    blocks are not onboarded, no pin or lease is left, and they still load byte-exact from disk."""
+    cfg = small_config(tmp_path, disk_blocks=4 * N, host_capacity_bytes=N * BLOCK, prefetch_share=1.0,
+                       prefetch_total_share=1.0)
+    async with _dirty(cfg) as (cache, eng), _onboard_copies_held(monkeypatch) as (entered, release):
+        await _settled(cache)
+        task = asyncio.ensure_future(cache.prefetch(eng.sid, [h(i) for i in range(N)]))
+        await asyncio.wait_for(entered.wait(), 10)
+        await _cancelled(task)
+        assert cache.tiers.host.loose_bytes == N * BLOCK  # the copy thread still writes them
+        assert cache.audit(idle=False) == []
+        release()
+        for _ in range(200):
+            if not cache.tiers.host.loose_bytes:
+                break
+            await asyncio.sleep(0.01)
+        await _settled(cache)
+        now = cache.clock.now()
+        assert cache.tiers.host.loose_bytes == 0 and cache.audit() == []
+        assert all(_get(cache, i).slot < 0 and _get(cache, i).pins == 0 and _get(cache, i).lease_until <= now
+                   for i in range(N))
+        res = await eng.load(list(range(N)))  # Engine.load compares the bytes
+        assert all(r.status == LoadStatus.LOADED for r in res)

@@ -37,6 +37,7 @@ from kvservice.disk.disk_tier import DiskTier
 from kvservice.placement.eviction import DiskRoom, Victim, admission_gate, plan_disk_eviction
 from kvservice.memory.host_tier import HostTier
 from kvservice.core.lifecycle import Lifecycle
+from kvservice.core.pipeline import when_copy_ends
 from kvservice.placement.index import BlockIndex, DiskState, Entry
 from kvservice.disk.io_backend import BlockIO, BlockIOError
 from kvservice.memory.host_arena import HostArena
@@ -84,6 +85,8 @@ class Tiers:
         self.gate = admission_gate(config)
         self.reader_pool = ThreadPoolExecutor(config.reader_threads, thread_name_prefix="kv-read")
         self.writer_pool = ThreadPoolExecutor(config.writer_threads, thread_name_prefix="kv-write")
+        # onboard_many's copies out of scratch buffers into host slots (off the event loop)
+        self.onboard_pool = ThreadPoolExecutor(2, thread_name_prefix="kv-onboard")
         self.writes: WriteQueue[Entry] = WriteQueue(
             config.write_queue_depth, config.writer_threads, config.write_queue_policy,
             batch_handler=self._write_jobs, cost=lambda e: e.size, batch_bytes=SPILL_BATCH_BYTES)
@@ -130,6 +133,7 @@ class Tiers:
             await asyncio.get_running_loop().run_in_executor(self.writer_pool, self.segments.close)
         self.reader_pool.shutdown(wait=True)
         self.writer_pool.shutdown(wait=True)
+        self.onboard_pool.shutdown(wait=True)
 
     async def recover(self) -> int:
         """Index every complete block file; torn and corrupt ones were removed by the scan."""
@@ -513,9 +517,13 @@ class Tiers:
     async def onboard_many(self, entries: list[Entry], bufs: list[torch.Tensor]) -> int:
         """Keep disk blocks read into scratch buffers (a Load's or a Prefetch's, that found no free
         or clean host slot) in the host tier, evicting for them: per block size one make_host_room
-        (the victims' spills queued together), one wait for their room, then the slots taken,
-        filled and given to their blocks at once. A block that left the index or got a host copy meanwhile is
-        skipped. Returns how many blocks were onboarded."""
+        (the victims' spills queued together), one wait for their room, then the slots taken and
+        filled on a copy thread, and given to their blocks once the copy has ended. The copy runs
+        off the event loop: a Load's reply (which this may run beside, after the Load has answered)
+        and every other client's calls do not wait for tens of MiB of memcpy. Meanwhile the slots
+        are the host tier's loose slots (taken, no block's yet); cancelled, they go back once the
+        copy thread is done with them. A block that left the index or got a host copy meanwhile is
+        skipped (its slot goes back). Returns how many blocks were onboarded."""
         holds = self.index.holds
         done = 0
         by_size: dict[int, list[int]] = {}
@@ -538,14 +546,31 @@ class Tiers:
             offsets = self.host.alloc(size, k) if k else None
             if not offsets:
                 continue
-            adds = [entries[i] for i in live[:k]]
-            # copied here, with no await between taking the slots and giving them to their blocks
-            # (as onboard() does): a slot is never held by nobody across an await
-            _copy_rows([self.host.arena.row(off, size) for off in offsets],
-                       [bufs[i].view(torch.uint8).reshape(-1) for i in live[:k]])
-            self.life.add(adds, offsets)
-            self._count_by_ns(adds, "disk_onboards")
-            done += len(adds)
+            take = live[:k]
+            job = asyncio.get_running_loop().run_in_executor(
+                self.onboard_pool, _copy_rows, [self.host.arena.row(off, size) for off in offsets],
+                [bufs[i].view(torch.uint8).reshape(-1) for i in take])
+            try:
+                await asyncio.shield(job)
+            except BaseException:  # cancelled, or the copy failed: the slots go once no thread writes them
+                when_copy_ends(job, functools.partial(self.host.free, offsets, size))
+                raise
+            adds: list[Entry] = []
+            add_offs: list[int] = []
+            spare: list[int] = []
+            for i, off in zip(take, offsets):
+                e = entries[i]
+                if holds(e) and not e.in_memory:
+                    adds.append(e)
+                    add_offs.append(off)
+                else:  # forgotten, or in host memory by another call, while the copy ran
+                    spare.append(off)
+            if spare:
+                self.host.free(spare, size)
+            if adds:
+                self.life.add(adds, add_offs)
+                self._count_by_ns(adds, "disk_onboards")
+                done += len(adds)
         return done
 
     # --- disk tier
