@@ -43,7 +43,7 @@ from engine_client.hashing import BlockHasher
 from engine_client.lookup_channel import TIMED_OUT, ChannelDown, LookupChannel
 from engine_client.namespace import Namespace
 from engine_client.results import LoadResults, PrefetchStatuses, StoreResults
-from kvwire.lookup_frames import request_frame
+from kvwire.lookup_frames import HEADER, request_frame
 from kvwire.v1 import kvcache_pb2, kvcache_pb2_grpc
 
 T = TypeVar("T")
@@ -166,7 +166,7 @@ class KVClient:
         ch = self._caller_channel(self._client.data_target)
         if not ch.ready:
             return self._submit(self._client.lookup(hashes))
-        return self._submit_grpc(session, _grpc_request(session, hashes), ch, len(hashes))
+        return self._submit_grpc(session, _grpc_request(framed), ch, len(hashes))
 
     @property
     def lookup_route(self) -> str:
@@ -182,8 +182,8 @@ class KVClient:
     def _lookup_request(self, hashes: Sequence[bytes]) -> tuple[_Session | None, bytes | None]:
         """(session, the Lookup channel's framed LookupRequest) for one Lookup sent from this
         thread; (None, None) while detached; (session, None) when the async path must split it
-        (more hashes than one batch). The gRPC fallback builds its message from the hashes
-        again (_grpc_request): the usual Lookup builds no protobuf message at all."""
+        (more hashes than one batch). The gRPC fallback parses its message out of the frame
+        (_grpc_request): the usual Lookup builds no protobuf message at all."""
         if self._stopped:
             raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "KVClient is closed")
         session = self._client._current()  # raises once the client cannot be used at all (closed, refused)
@@ -219,7 +219,7 @@ class KVClient:
         if not ch.ready:
             return self._run(self._client.lookup(hashes))
         try:
-            reply = ch.stub.Lookup(_grpc_request(session, hashes), timeout=self._client.timeout)
+            reply = ch.stub.Lookup(_grpc_request(framed), timeout=self._client.timeout)
         except grpc.RpcError as err:
             return self._lookup_failed(session, err.code(), err.details())
         return lookup_answer(reply, n)
@@ -397,9 +397,10 @@ class KVClient:
         return self._submit(coro).result()
 
 
-def _grpc_request(session: _Session, hashes: Sequence[bytes]) -> kvcache_pb2.LookupRequest:
-    """The Lookup as gRPC sends it (the Lookup channel's frame carries the same message)."""
-    return kvcache_pb2.LookupRequest(session_id=session.session_id, hashes=_pack(hashes))
+def _grpc_request(framed: bytes) -> kvcache_pb2.LookupRequest:
+    """The Lookup channel's framed request as the gRPC Lookup message: the same request, as it was
+    when the caller asked (a retry never re-reads the caller's list)."""
+    return kvcache_pb2.LookupRequest.FromString(framed[HEADER.size:])
 
 
 def _settle(out: concurrent.futures.Future, result: object = None, error: BaseException | None = None) -> None:
