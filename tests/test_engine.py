@@ -88,16 +88,18 @@ def pushed_to_disk(daemon: Daemon, engines: Callable[..., Engine], ids: list[int
     once the daemon has counted `spills` spills."""
     a = engines(daemon.target)
     run(a, ids, max_tokens=max_tokens)
+    written_through(a, ids)
     run(a, filler, max_tokens=2)
-    written_through(a, ids, filler)
+    written_through(a, filler)
     a.stop()
     wait_until(lambda: daemon.stats().counters.spills >= spills, timeout=60, what="spills to disk")
 
 
 def written_through(e: Engine, *prompts: list[int]) -> None:
-    """Wait until the daemon holds every full block of prompts. The write-through Stores are still in flight
-    when run() returns, and stop() gives them only a few seconds: on a loaded box a Store still waiting for
-    its victims' spills was cut short (CI saw 10 of 12 spills)."""
+    """Wait until the daemon holds every full block of prompts. The write-through Store is still in flight
+    when run() returns: a test that pushes one prompt out with the next must wait for it first, or on a
+    loaded box the two Stores overlap and the second finds the first's blocks still reserved (not
+    evictable) and is refused in part (CI saw 10 of 12 spills); stop() would also cut a late Store short."""
     assert e.client is not None
     for prompt in prompts:
         hashes = e.sched.hasher.hash_blocks(prompt[: len(prompt) // TPB * TPB])
@@ -222,12 +224,10 @@ def test_parked_request_does_not_stall_others(daemon: Daemon, engines: Callable[
     long_ids, other_ids, short_ids = tokens(9, 12 * TPB + 5), tokens(10, 12 * TPB + 5), tokens(11, 20)
     third_ids = tokens(43, 12 * TPB + 5)
     a = engines(daemon.target)
-    run(a, long_ids, max_tokens=2)
-    run(a, other_ids, max_tokens=2)
-    run(a, third_ids, max_tokens=2)
     filler = tokens(41, 16 * TPB + 3)
-    run(a, filler, max_tokens=2)  # fills the 16-block host tier: the others go to disk
-    written_through(a, third_ids, filler)
+    for prompt in (long_ids, other_ids, third_ids, filler):  # the filler fills the 16-block host tier: the rest spill
+        run(a, prompt, max_tokens=2)
+        written_through(a, prompt)
     a.stop()
     wait_until(lambda: daemon.stats().counters.spills >= 36, timeout=60, what="spills to disk")
 
