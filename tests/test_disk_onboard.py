@@ -190,9 +190,9 @@ async def test_a_prefetch_cancelled_while_its_victims_spill_leaves_nothing_half_
         onboarding = asyncio.Event()
         real_onboard = cache.tiers.onboard_many
 
-        async def onboard_many(entries, bufs):
+        async def onboard_many(entries, bufs, evict=True):
             onboarding.set()
-            return await real_onboard(entries, bufs)
+            return await real_onboard(entries, bufs, evict)
 
         monkeypatch.setattr(cache.tiers, "onboard_many", onboard_many)
         task = asyncio.ensure_future(cache.prefetch(eng.sid, [h(i) for i in range(N)]))

@@ -213,14 +213,14 @@ class LoadPath:
                 host_ids.append(bids[k])
                 host_slots.append(e.slot)
                 continue
-            if not t.onboard(e, r):  # no free or clean slot was left: onboarded after the reply
-                late.append((e, r))
+            late.append((e, r))  # no free or clean slot was left: onboarded after the reply
             srcs.append(r)
             ids.append(bids[k])
-        if late and self.config.onboard_disk_hits == "always":  # as one batch: one eviction plan, copies off the loop
-            self._later(t.onboard_many([e for e, _ in late], [r for _, r in late]))
-        # "clean": served from their scratch buffers only; onboarding them would spill the dirty blocks
-        # they replace, a disk write for every disk read
+        if late:  # as one batch: one eviction plan, the copies off the loop, after the reply
+            # "clean": free slots only; evicting the dirty blocks they would replace spills them, a disk
+            # write for every disk read. What finds no slot is served from its scratch buffer only.
+            self._later(t.onboard_many([e for e, _ in late], [r for _, r in late],
+                                       evict=self.config.onboard_disk_hits == "always"))
         return host_ids, host_slots, srcs, ids, served, tiers_of, disk_loads
 
 

@@ -81,7 +81,7 @@ class PrefetchPath:
             for (pos, e), (r, onboarded) in zip(to_read, reads):
                 if isinstance(r, BaseException):
                     out[pos] = PrefetchResult(PrefetchStatus.FAILED, f"disk read failed, block discarded: {r}")
-                elif not onboarded and not e.in_memory and not t.onboard(e, r):
+                elif not onboarded and not e.in_memory:
                     late.append((pos, e, r))
             if late:  # one eviction plan and one wait for its spills, not a wait per block
                 await t.onboard_many([e for _, e, _ in late], [r for _, _, r in late])

@@ -4,7 +4,7 @@ Primitives (all state changes happen on the event loop thread; bytes move in thr
   make_host_room(size, n, now) -> fit, spills   evict host LRU victims (spill or drop) so n blocks fit
   room_after(spills, now) -> future       queue those spills; resolves when their slots are free
   read_from_disk(entry) -> buffer         read and checksum-verify; a bad block is discarded
-  onboard(entry, buf, now)                put a disk block read back into the host tier
+  onboard_many(entries, bufs, evict)      put disk blocks read into scratch back into the host tier
   remove(entry)                           forget a block everywhere (admin evict, corruption)
   persist_deadline(entry)                 rewrite a disk header after its deadline moved
   recover()                               rebuild the disk index from block files at start
@@ -502,21 +502,10 @@ class Tiers:
             self.stats.bump(e.namespace, "drops_pressure")
             self._abandon_spill(e)
 
-    def onboard(self, e: Entry, buf: torch.Tensor) -> bool:
-        """Keep a block read from disk in the host tier, if a slot is free (no eviction)."""
-        if self.index.get_any(e.key) is not e or e.in_memory:
-            return False
-        offsets = self.host.alloc(e.size, 1) if self.host.placeable(e.size) else None
-        if offsets is None:
-            return False
-        self.host.arena.row(offsets[0], e.size).copy_(buf.view(torch.uint8).reshape(-1))
-        self.life.add([e], offsets)
-        self.stats.bump(e.namespace, "disk_onboards")
-        return True
-
-    async def onboard_many(self, entries: list[Entry], bufs: list[torch.Tensor]) -> int:
+    async def onboard_many(self, entries: list[Entry], bufs: list[torch.Tensor], evict: bool = True) -> int:
         """Keep disk blocks read into scratch buffers (a Load's or a Prefetch's, that found no free
-        or clean host slot) in the host tier, evicting for them: per block size one make_host_room
+        or clean host slot) in the host tier, evicting for them (evict=False: free slots only):
+        per block size one make_host_room
         (the victims' spills queued together), one wait for their room, then the slots taken and
         filled on a copy thread, and given to their blocks once the copy has ended. The copy runs
         off the event loop: a Load's reply (which this may run beside, after the Load has answered)
@@ -535,7 +524,7 @@ class Tiers:
                     and not (id(entries[i]) in seen or seen.add(id(entries[i])))]
             if not live:
                 continue
-            if self.host.placeable(size) < len(live):
+            if evict and self.host.placeable(size) < len(live):
                 now = self.now()
                 fit, spills = self.make_host_room(size, len(live), now)
                 wait = self.room_after(spills, now, size, fit)
