@@ -13,7 +13,7 @@ import threading
 from contextlib import asynccontextmanager
 
 import kvservice.core.tiers as tiers_mod
-from kvservice.core.types import LoadStatus, PrefetchStatus, Tier
+from kvservice.core.types import LoadStatus, PrefetchStatus, StoreStatus, Tier
 from kvservice.disk import segment
 from kvservice.placement.index import DiskState
 from tests.corekit import BLOCK, Engine, Pool, h, small_config, started_cache
@@ -302,3 +302,25 @@ async def test_a_prefetch_cancelled_during_its_onboarding_copy_gives_the_slots_b
                    for i in range(N))
         res = await eng.load(list(range(N)))  # Engine.load compares the bytes
         assert all(r.status == LoadStatus.LOADED for r in res)
+
+
+async def test_a_store_waits_for_an_onboarding_copy_instead_of_being_refused(tmp_path, monkeypatch):
+    """Scenario: a Load of 16 disk blocks into a dirty host tier of 16 blocks; its onboarding copy is
+    held on its thread (its 16 slots loose, the dirty blocks they replace spilling). A Store of 16 new blocks asked meanwhile does not answer NOT_STORED for the
+    slots that are only loose for a memcpy: it waits for the copy, then evicts (the onboarded blocks
+    have a disk copy) and stores all 16, byte-exact, and nothing is left loose or half-made."""
+    cfg = small_config(tmp_path, disk_blocks=6 * N, host_capacity_bytes=N * BLOCK)
+    async with _dirty(cfg) as (cache, eng), _onboard_copies_held(monkeypatch) as (entered, release):
+        res = await eng.load(list(range(N)))
+        assert [(r.status, r.tier) for r in res] == [(LoadStatus.LOADED, Tier.DISK)] * N
+        await asyncio.wait_for(entered.wait(), 10)
+        store = asyncio.ensure_future(eng.store(list(range(3 * N, 4 * N))))
+        await asyncio.sleep(0.1)
+        assert not store.done(), "the Store must wait for the onboarding copy, not be refused"
+        release()
+        rs = await asyncio.wait_for(store, 10)
+        assert [r.status for r in rs] == [StoreStatus.STORED] * N, [r.message for r in rs][:2]
+        await _settled(cache)
+        assert cache.tiers.host.loose_bytes == 0 and cache.audit() == []
+        res = await eng.load(list(range(3 * N, 4 * N)))  # Engine.load compares the bytes
+        assert [r.status for r in res] == [LoadStatus.LOADED] * N

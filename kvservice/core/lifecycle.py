@@ -17,8 +17,12 @@
                 RESIDENT ─evict / release─> NONE;  SPILLING ─release (written, abandoned)─> NONE
                 SPILLING ─restore (its spill failed, retained)─> RESIDENT
                 a release while pinned waits for the last unpin (release_pending)
-    disk copy:  NONE ─queue─> QUEUED ─commit─> ON_DISK ─release─> NONE;  QUEUED ─abandon / fail─> NONE
-                (kvservice.disk.disk_tier.DiskTier keeps those bytes and orders; tiers.Tiers runs the I/O)
+    disk copy:  NONE ─disk_queue─> QUEUED (+ disk_slot: its segment slot) ─disk_commit─> ON_DISK
+                ─disk_release─> NONE;  QUEUED ─disk_unqueue (abandoned, failed, no slot)─> NONE;
+                (absent) ─adopt (found at restart)─> ON_DISK; disk_deadline: what its metadata says
+                (kvservice.disk.disk_tier.DiskTier is their room and order book; tiers.Tiers runs the I/O)
+    retention:  retain: the deadline moves to now + ttl if later, never earlier, unless the namespace's
+                retained-bytes cap refuses (kvservice.placement.retention decides and keeps the sums)
     pinned(n):  copies, disk reads and spill writes in flight that need the slot; each one unpins from its
                 own completion (a done callback or the copy thread's end), so a cancelled caller leaves none
     leased:     one prefetch lease (owner session, until); ends at `until`, when its owner loads the block,
@@ -42,7 +46,9 @@ import heapq
 from itertools import repeat
 from collections.abc import Iterable, Sequence
 
+from kvservice.disk.disk_tier import DiskTier
 from kvservice.memory.host_tier import HostTier
+from kvservice.placement.index import DiskState
 from kvservice.ops.stats import CounterSet
 from kvservice.placement.index import BlockIndex, Entry, reserved_entry
 from kvservice.placement.retention import Retention
@@ -107,9 +113,11 @@ class Lifecycle:
     """The one place where a block changes state. tiers.Tiers and cache.BlockCache call these
     transitions; HostTier and DiskTier are the room and order books they update."""
 
-    def __init__(self, index: BlockIndex, host: HostTier, retention: Retention, stats: CounterSet) -> None:
+    def __init__(self, index: BlockIndex, host: HostTier, retention: Retention, stats: CounterSet,
+                 disk: DiskTier | None = None) -> None:
         self.index = index
         self.host = host
+        self.disk = disk  # the disk copy's room and order book (None: no disk tier)
         self.retention = retention
         self.stats = stats
         self.leases = LeaseBook()
@@ -397,6 +405,68 @@ class Lifecycle:
     def forget_many(self, entries: Sequence[Entry]) -> None:
         self.retention.forget_many(entries)
         self.index.remove_many(entries)
+
+    # --- disk copy (DiskTier keeps its bytes and eviction orders; kvservice.core.tiers runs the I/O)
+    def disk_queue(self, e: Entry) -> None:
+        """NONE -> QUEUED: a spill (or a shutdown write) got disk room; its slot comes with disk_slot."""
+        assert self.disk is not None and e.disk == DiskState.NONE
+        self.disk.reserve(e)
+        e.disk = DiskState.QUEUED
+
+    def disk_slot(self, e: Entry, loc: int) -> None:
+        """The segment slot a QUEUED spill is written to (disk tier v2); -1: none (given back)."""
+        e.disk_loc = loc
+
+    def disk_unqueue(self, e: Entry) -> None:
+        """QUEUED -> NONE: the spill will not be written (abandoned, failed, refused a slot). Idempotent."""
+        assert self.disk is not None
+        if self.disk.unreserve(e):
+            e.disk = DiskState.NONE
+
+    def disk_commit(self, e: Entry, deadline: float, path: str = "") -> None:
+        """QUEUED -> ON_DISK: its bytes and metadata are written, with `deadline` (the files format: at `path`)."""
+        assert self.disk is not None and e.disk == DiskState.QUEUED
+        if path:
+            e.disk_path = path
+        e.disk_deadline = deadline
+        e.disk = DiskState.ON_DISK
+        self.disk.commit(e)
+
+    def disk_deadline(self, e: Entry, deadline: float) -> None:
+        """The deadline its disk copy now carries (a metadata update or header rewrite was issued)."""
+        e.disk_deadline = deadline
+
+    def disk_release(self, e: Entry) -> None:
+        """ON_DISK -> NONE: its disk copy is gone (evicted, discarded, admin); the caller frees the slot
+        or unlinks the file it read off e first."""
+        assert self.disk is not None
+        if e.disk != DiskState.ON_DISK:
+            return
+        self.disk.release(e)
+        e.disk = DiskState.NONE
+        e.disk_path = ""
+        e.disk_loc = -1
+
+    def adopt(self, entries: Sequence[Entry]) -> None:
+        """(absent) -> ON_DISK: blocks found on disk at restart (made ON_DISK, oldest first) enter the
+        index, the disk tier's books and retention."""
+        assert self.disk is not None
+        self.retention.track_many([e for e in entries if e.deadline > 0])
+        self.index.add_many(entries)
+        self.disk.adopt_many(entries)
+
+    def retain(self, e: Entry, ttl: float, now: float) -> float | None:
+        """Its retention deadline to now + ttl if later (deadlines only extend); None: the namespace's
+        retained-bytes cap refuses it (nothing changes)."""
+        deadline = self.retention.extend_to(e, now + ttl, now)
+        if deadline is None:
+            return None
+        if deadline != e.deadline:
+            e.deadline = deadline
+            self.retention.counted(e, now)
+        if self.disk is not None:  # on disk: into the retained order (evicted by deadline, after the unmarked)
+            self.disk.mark_retained(e)
+        return deadline
 
     # --- prefetch leases
     def lease(self, owner: SessionId, e: Entry, now: float, seconds: float, staged: bool) -> int:

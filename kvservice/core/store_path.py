@@ -235,6 +235,10 @@ class StorePath:
         (fit, offsets) for the first `fit` of them; (0, None) when none fit."""
         t = self._t
         fit = 0
+        if t.host.placeable(size) < n:
+            onboarding = t.onboarding()  # slots a disk hit's onboarding copy still fills: theirs in a moment
+            if onboarding is not None:
+                await asyncio.shield(onboarding)
         for attempt in range(4):  # a concurrent Store may take the slots our spills freed: plan again
             fit, spills = t.make_host_room(size, n if attempt == 0 else fit, now)
             wait = t.room_after(spills, now, size, fit) if spills else None
@@ -278,13 +282,12 @@ class StorePath:
                     i: int) -> bool:
         """Extend e's retention to now + ttl (ttl > 0) and record the outcome as results[i]. True
         when the new deadline must be written to e's disk copy (await Tiers.persist_deadline)."""
-        deadline = self._t.retention.extend(e, ttl, now)
+        deadline = self._t.life.retain(e, ttl, now)
         if deadline is None:
             self.stats.bump(e.namespace, "retain_cap_refusals")
             results.set(i, StoreStatus.STORED_NOT_RETAINED if status == StoreStatus.STORED else status,
                         message="retained-bytes cap of the namespace reached; stored without retention")
             return False
-        self._t.mark_retained(e)
         results.set(i, status, deadline)
         return e.disk == DiskState.ON_DISK
 

@@ -81,12 +81,13 @@ class Tiers:
         self._arena_bytes: np.ndarray | None = None  # the arena as numpy (HostSlots' base), made on first use
         self.recovered_sizes: dict[NamespaceId, int] = {}  # recover(): block size of each namespace found on disk
         self.retention = Retention(config.max_ttl_seconds, config.retained_cap_bytes)
-        self.life = Lifecycle(self.index, self.host, self.retention, stats)  # every block state change
+        self.life = Lifecycle(self.index, self.host, self.retention, stats, self.disk)  # every block state change
         self.gate = admission_gate(config)
         self.reader_pool = ThreadPoolExecutor(config.reader_threads, thread_name_prefix="kv-read")
         self.writer_pool = ThreadPoolExecutor(config.writer_threads, thread_name_prefix="kv-write")
         # onboard_many's copies out of scratch buffers into host slots (off the event loop)
         self.onboard_pool = ThreadPoolExecutor(2, thread_name_prefix="kv-onboard")
+        self._onboarding: set[asyncio.Future] = set()  # those copies in flight (their slots are loose)
         self.writes: WriteQueue[Entry] = WriteQueue(
             config.write_queue_depth, config.writer_threads, config.write_queue_policy,
             batch_handler=self._write_jobs, cost=lambda e: e.size, batch_bytes=SPILL_BATCH_BYTES)
@@ -112,7 +113,7 @@ class Tiers:
                 self.stats.bump(e.namespace, "admission_refusals")
                 continue
             self._apply_disk_plan(plan)
-            self.disk.reserve(e)  # it stays in the host tier: the writer reads its slot
+            self.life.disk_queue(e)  # it stays in the host tier: the writer reads its slot
             if not self._reserve_slot(e, now):
                 continue
             jobs.append(e)
@@ -144,13 +145,12 @@ class Tiers:
         loop = asyncio.get_running_loop()
         result = await loop.run_in_executor(self.reader_pool, block_file.scan, self.disk.root)
         now = self.now()
-        for path, meta in sorted(result.blocks, key=lambda b: b[1].stored_at):
-            e = Entry(NamespaceId(meta.namespace), BlockHash(meta.hash), meta.payload_len, meta.checksum, meta.stored_at,
-                      deadline=meta.deadline,
-                      reuse=meta.reuse, disk_path=path, disk_deadline=meta.deadline)
-            self.index.add(e)
-            self.disk.adopt(e)
-            self.retention.track(e)
+        entries = [Entry(NamespaceId(meta.namespace), BlockHash(meta.hash), meta.payload_len, meta.checksum,
+                         meta.stored_at, deadline=meta.deadline, reuse=meta.reuse, disk=DiskState.ON_DISK,
+                         disk_path=path, disk_deadline=meta.deadline)
+                   for path, meta in sorted(result.blocks, key=lambda b: b[1].stored_at)]
+        self.life.adopt(entries)
+        for e in entries:
             self.recovered_sizes[e.namespace] = e.size
         # a smaller capacity than last run: evict in the usual order until it fits
         if self.disk.free_bytes < 0:
@@ -194,9 +194,7 @@ class Tiers:
             on_disk = DiskState.ON_DISK
             entries = [Entry(names[ns], hsh, length, crc, stored, dl, reuse, -1, False, False, False, on_disk, "", loc, dl)
                        for loc, ns, hsh, length, crc, dl, stored, reuse in zip(*cols)]
-            self.retention.track_many([entries[i] for i in np.flatnonzero(rows["deadline"] > 0).tolist()])
-            self.index.add_many(entries)
-            self.disk.adopt_many(entries)
+            self.life.adopt(entries)
         finally:
             if gc_was_on:
                 gc.freeze()  # long-lived: keep them out of every later collection
@@ -218,7 +216,7 @@ class Tiers:
         for _ in range(8):
             loc = self.segments.reserve(e.size)
             if loc is not None:
-                e.disk_loc = loc
+                self.life.disk_slot(e, loc)
                 return True
             if self.segments.store.readonly:
                 break
@@ -226,7 +224,7 @@ class Tiers:
             if not plan:
                 break
             self._apply_disk_plan(plan)
-        self.disk.unreserve(e)
+        self.life.disk_unqueue(e)
         self.stats.bump(e.namespace, "admission_refusals")
         log.warning("disk tier refused a spill of %s: %s", e.key.hash.hex()[:16], self.segments.store.refusal())
         return False
@@ -418,7 +416,7 @@ class Tiers:
             self._drop(e)
             return False
         self._apply_disk_plan(plan)
-        self.disk.reserve(e)
+        self.life.disk_queue(e)
         if not self._reserve_slot(e, now):
             self._drop(e)
             return False
@@ -475,12 +473,12 @@ class Tiers:
         self._count_by_ns(victims, "host_evictions")
         self._apply_disk_plan(plan, batch=True)
         for e in victims:
-            self.disk.reserve(e)
+            self.life.disk_queue(e)
         locs = self.segments.reserve_many([e.size for e in victims])
         out = []
         for e, loc in zip(victims, locs):
             if loc is not None:
-                e.disk_loc = loc
+                self.life.disk_slot(e, loc)
             elif not self._reserve_slot(e, now):
                 self._drop(e)
                 continue
@@ -539,6 +537,8 @@ class Tiers:
             job = asyncio.get_running_loop().run_in_executor(
                 self.onboard_pool, _copy_rows, [self.host.arena.row(off, size) for off in offsets],
                 [bufs[i].view(torch.uint8).reshape(-1) for i in take])
+            self._onboarding.add(job)
+            job.add_done_callback(self._onboarding.discard)
             try:
                 await asyncio.shield(job)
             except BaseException:  # cancelled, or the copy failed: the slots go once no thread writes them
@@ -561,6 +561,15 @@ class Tiers:
                 self._count_by_ns(adds, "disk_onboards")
                 done += len(adds)
         return done
+
+    def onboarding(self) -> asyncio.Future | None:
+        """What to wait for before the slots of the onboarding copies in flight are blocks' again
+        (then evictable like any host block: they have a disk copy); None when there are none. A
+        Store that finds the tier short waits for this rather than be refused for slots that are
+        only loose for the time of a memcpy."""
+        if not self._onboarding:
+            return None
+        return asyncio.gather(*self._onboarding, return_exceptions=True)
 
     # --- disk tier
     async def _write_jobs(self, batch: list[Entry]) -> None:
@@ -604,9 +613,7 @@ class Tiers:
             self.io.remove(path)
             self._abandon_spill(e)
             return
-        e.disk_path = path
-        e.disk_deadline = meta.deadline
-        self.disk.commit(e)
+        self.life.disk_commit(e, meta.deadline, path)
         if e.spilling:
             self.life.release(e)
         self.stats.bump(e.namespace, "spills")
@@ -658,30 +665,29 @@ class Tiers:
         or failed (slot given back)."""
         assert self.disk is not None and self.segments is not None
         if fault is not None:  # the store gave the slot back
-            e.disk_loc = -1
+            self.life.disk_slot(e, -1)
             self.stats.bump(e.namespace, "io_errors")
             log.warning("spill of %s failed (%s): %s", e.key.hash.hex()[:16], fault.kind.value, fault.message)
             self._spill_failed(e)
             return False
         if not self.index.holds(e) or e.disk != DiskState.QUEUED:  # evicted while written
             self.segments.free(loc)
-            e.disk_loc = -1
+            self.life.disk_slot(e, -1)
             self._abandon_spill(e)
             return False
-        e.disk_deadline = block.deadline
-        self.disk.commit(e)
+        self.life.disk_commit(e, block.deadline)
         if e.spilling:
             self.life.release(e)
         if e.deadline != e.disk_deadline:  # a metadata update, committed in the background
             self.segments.set_deadline(loc, e.deadline)
-            e.disk_deadline = e.deadline
+            self.life.disk_deadline(e, e.deadline)
         return True
 
     def _spill_failed(self, e: Entry) -> None:
         """A retained block whose spill failed goes back to the host tier when it fits there (it
         still holds its slot: no copy), instead of vanishing; anything else is dropped as before."""
         if e.spilling and e.retained(self.now()) and self.index.get_any(e.key) is e:
-            self.disk.unreserve(e)
+            self.life.disk_unqueue(e)
             if self.life.restore(e):
                 return
             log.error("retained block %s lost: its spill failed and the host tier has no room for it",
@@ -695,8 +701,8 @@ class Tiers:
         if self.segments is not None and e.disk_loc >= 0 and e.disk == DiskState.QUEUED:
             if e.disk_loc not in self._writing:  # a write in flight settles its own slot
                 self.segments.cancel(e.disk_loc)
-                e.disk_loc = -1
-        self.disk.unreserve(e)
+                self.life.disk_slot(e, -1)
+        self.life.disk_unqueue(e)
         if e.spilling or not e.in_memory or e.release_pending:
             self.life.release(e)
             if e.disk == DiskState.NONE:
@@ -723,16 +729,14 @@ class Tiers:
         if e.disk == DiskState.QUEUED:  # a queued best-effort spill, cancelled: the writer skips it
             self._abandon_spill(e)
             return
-        path = e.disk_path
-        self.disk.release(e)
-        e.disk_path = ""
+        path, loc = e.disk_path, e.disk_loc
+        self.life.disk_release(e)
         if self.segments is not None:
-            if e.disk_loc >= 0:
+            if loc >= 0:
                 if freed is None:
-                    self.segments.free(e.disk_loc)
+                    self.segments.free(loc)
                 else:
-                    freed.append(e.disk_loc)
-            e.disk_loc = -1
+                    freed.append(loc)
         else:
             # unlink now, on the loop thread: a later spill of the same key reuses this path
             self.io.remove(path)
@@ -945,10 +949,10 @@ class Tiers:
             return
         if self.segments is not None:  # a metadata update, committed in the background
             self.segments.set_deadline(e.disk_loc, e.deadline)
-            e.disk_deadline = e.deadline
+            self.life.disk_deadline(e, e.deadline)
             return
         meta = self._meta(e)
-        e.disk_deadline = meta.deadline
+        self.life.disk_deadline(e, meta.deadline)
         loop = asyncio.get_running_loop()
         task = asyncio.ensure_future(
             loop.run_in_executor(self.writer_pool, block_file.rewrite_header, self.io, e.disk_path, meta))
@@ -959,10 +963,6 @@ class Tiers:
         except (OSError, BlockIOError) as err:
             self.stats.bump(e.namespace, "io_errors")
             log.warning("deadline rewrite of %s failed: %s", e.key.hash.hex()[:16], err)
-
-    def mark_retained(self, e: Entry) -> None:
-        if self.disk is not None:
-            self.disk.mark_retained(e)
 
     # --- whole entries
     def remove(self, e: Entry) -> None:

@@ -1,13 +1,15 @@
-"""Disk tier bookkeeping: which entries have a complete block file, bytes used, and the two
-orders eviction reads (an LRU of unmarked blocks, and retained blocks by deadline).
+"""Disk tier bookkeeping: bytes used, and the two orders eviction reads (an LRU of unmarked
+blocks, and retained blocks by deadline). A book: it never changes an entry; the disk-copy state
+transitions (entry.disk NONE -> QUEUED -> ON_DISK -> NONE) are kvservice.core.lifecycle's, which
+keep this book in step.
 
 Primitives:
   reserve(entry) / unreserve(entry)   account bytes of a spill queued for writing
-  commit(entry)                       the block file is complete: the entry is on disk
-  adopt(entry)                        a complete block file found at restart
-  release(entry)                      the block file is gone (evicted, corrupt, admin)
+  commit(entry)                       its bytes are written: counted on disk, in an eviction order
+  adopt_many(entries)                 complete blocks found at restart
+  release(entry)                      its disk copy is gone (evicted, corrupt, admin)
   touch(chain) / mark_retained(e)     refresh LRU order; move an entry to the retained order
-The files themselves are written and read by the cache through block_file / io_backend.
+The bytes themselves are written and read by kvservice.core.tiers through the disk store.
 """
 
 from __future__ import annotations
@@ -47,23 +49,18 @@ class DiskTier:
     def reserve(self, entry: Entry) -> None:
         self.used_bytes += entry.size
         assert self.used_bytes <= self.budget_bytes, "disk tier over capacity"
-        entry.disk = DiskState.QUEUED
         self.queued[id(entry)] = entry
 
-    def unreserve(self, entry: Entry) -> None:
-        if self.queued.pop(id(entry), None) is not None:
-            self.used_bytes -= entry.size
-            entry.disk = DiskState.NONE
-
-    def adopt(self, entry: Entry) -> None:
-        """A complete block file found at restart."""
-        self.used_bytes += entry.size
-        self.queued[id(entry)] = entry
-        self.commit(entry)
+    def unreserve(self, entry: Entry) -> bool:
+        """False when entry's room was not reserved (given back already)."""
+        if self.queued.pop(id(entry), None) is None:
+            return False
+        self.used_bytes -= entry.size
+        return True
 
     def adopt_many(self, entries: Sequence[Entry]) -> None:
-        """Complete blocks found at restart, oldest first, made with disk=ON_DISK: adopt() for
-        each, in a few comprehensions (a 1M-block restart spends its time in loops like these)."""
+        """Complete blocks found at restart, oldest first, made with disk=ON_DISK, in a few
+        comprehensions (a 1M-block restart spends its time in loops like these)."""
         assert not entries or entries[0].disk == DiskState.ON_DISK, "adopt_many takes ON_DISK entries"
         self.used_bytes += sum([e.size for e in entries])
         self.retained.update({id(e): e for e in entries if e.deadline > 0})
@@ -72,7 +69,6 @@ class DiskTier:
 
     def commit(self, entry: Entry) -> None:
         del self.queued[id(entry)]
-        entry.disk = DiskState.ON_DISK
         self._on_disk += 1
         if entry.deadline > 0:
             self.retained[id(entry)] = entry
@@ -80,9 +76,6 @@ class DiskTier:
             self.unmarked.touch([entry])
 
     def release(self, entry: Entry) -> None:
-        if entry.disk != DiskState.ON_DISK:
-            return
-        entry.disk = DiskState.NONE
         self._on_disk -= 1
         self.used_bytes -= entry.size
         self.unmarked.discard(entry)

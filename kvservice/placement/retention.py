@@ -47,19 +47,21 @@ class Retention:
                     self._bytes[ns] -= e.size
         return self._bytes.get(ns, 0)
 
-    def extend(self, entry: Entry, ttl: float, now: float) -> float | None:
-        """Move the deadline to now + ttl if later. Returns the deadline, or None if the cap refuses."""
-        new = now + ttl
+    def extend_to(self, entry: Entry, new: float, now: float) -> float | None:
+        """The deadline entry gets when asked to be retained until `new`: `new` if later than its
+        own, else its own; None when the namespace's cap refuses it. Changes nothing: the caller
+        (kvservice.core.lifecycle.Lifecycle.retain) moves the deadline, then calls counted()."""
         if new <= entry.deadline:
             return entry.deadline
-        ns = entry.namespace
         if self.cap_bytes and not entry.retained(now):
-            if self.retained_bytes(ns, now) + entry.size > self.cap_bytes:
+            if self.retained_bytes(entry.namespace, now) + entry.size > self.cap_bytes:
                 return None
-        entry.deadline = new
-        self._by_ns.setdefault(ns, {})[entry.key] = entry
-        self._count(entry, now)
         return new
+
+    def counted(self, entry: Entry, now: float) -> None:
+        """entry.deadline was just moved later: its bytes count until it passes."""
+        self._by_ns.setdefault(entry.namespace, {})[entry.key] = entry
+        self._count(entry, now)
 
     def track(self, entry: Entry) -> None:
         """Account an entry whose deadline came from disk at recovery."""
