@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from kvservice.core.lifecycle import Lifecycle
 from kvservice.core.types import NamespaceId, SessionId
+from kvservice.disk.disk_tier import DiskTier
 from kvservice.memory.host_arena import HostArena
 from kvservice.memory.host_tier import HostTier
 from kvservice.ops.stats import CounterSet
-from kvservice.placement.index import BlockIndex
+from kvservice.placement.index import BlockIndex, DiskState, Entry
 from kvservice.placement.retention import Retention
 
 BB = 4096
@@ -107,3 +108,71 @@ def test_leases_are_counted_per_owner_end_at_their_time_on_a_load_or_when_the_ow
     life.end_leases_of(a)
     assert book.total_bytes == 0 and len(book) == 0 and es[1].lease_owner == ""
     assert life.audit(set()) == []
+
+
+def make_with_disk(blocks: int = 8, cap_bytes: int = 0) -> Lifecycle:
+    arena = HostArena(blocks * BB, segment_bytes=blocks * BB)
+    return Lifecycle(BlockIndex(), HostTier(arena, blocks * BB), Retention(3600.0, cap_bytes), CounterSet(),
+                     DiskTier("", 4 * blocks * BB))
+
+
+def ready_block(life: Lifecycle, n: int) -> Entry:
+    d = life.index.namespace(NS)
+    (e,) = life.reserve(d, NS, hashes(n), BB, now=0.0)
+    life.place([e], life.host.alloc(BB, 1))
+    life.commit([e], [n])
+    return e
+
+
+def test_the_disk_copy_goes_queued_on_disk_and_released_with_the_disk_books_in_step():
+    """Scenario: a ready block's spill gets disk room and a segment slot (QUEUED), is written
+    (ON_DISK, in the unmarked LRU, with the deadline its metadata carries), later evicted from disk
+    (NONE, slot and path cleared); another spill is abandoned (QUEUED -> NONE, room given back, twice
+    harmless). The disk tier's used bytes follow every step."""
+    life = make_with_disk()
+    disk = life.disk
+    e, f = ready_block(life, 1), ready_block(life, 2)
+    life.disk_queue(e)
+    life.disk_slot(e, 77)
+    assert (e.disk, e.disk_loc, disk.used_bytes) == (DiskState.QUEUED, 77, BB)
+    life.disk_commit(e, deadline=0.0)
+    assert e.disk == DiskState.ON_DISK and e in disk.unmarked and len(disk) == 1
+    life.disk_queue(f)
+    life.disk_unqueue(f)
+    life.disk_unqueue(f)
+    assert f.disk == DiskState.NONE and disk.used_bytes == BB
+    life.disk_release(e)
+    assert (e.disk, e.disk_loc, e.disk_path, disk.used_bytes, len(disk)) == (DiskState.NONE, -1, "", 0, 0)
+    assert e not in disk.unmarked
+    life.disk_release(e)  # not on disk: nothing to do
+    assert disk.used_bytes == 0
+
+
+def test_retain_only_extends_moves_an_on_disk_block_to_the_retained_order_and_respects_the_cap():
+    """Scenario (clock passed in): retain(ttl 10) at t=0 sets deadline 10 and moves the on-disk
+    block out of the unmarked LRU into the retained order; retain(ttl 5) at t=1 keeps 10 (deadlines
+    only extend); with a 1-block cap a second block is refused (None, nothing changes) until the
+    first one's deadline has passed."""
+    life = make_with_disk(cap_bytes=BB)
+    e, f = ready_block(life, 1), ready_block(life, 2)
+    life.disk_queue(e)
+    life.disk_commit(e, deadline=0.0)
+    assert life.retain(e, 10.0, now=0.0) == 10.0 and e.deadline == 10.0
+    assert e not in life.disk.unmarked and id(e) in life.disk.retained
+    assert life.retain(e, 5.0, now=1.0) == 10.0 and e.deadline == 10.0
+    assert life.retain(f, 100.0, now=2.0) is None and f.deadline == 0.0
+    assert life.retain(f, 100.0, now=11.0) == 111.0 and f.deadline == 111.0
+
+
+def test_blocks_found_on_disk_are_adopted_into_the_index_the_disk_books_and_retention():
+    """Scenario: two blocks recovered at restart (ON_DISK, one with a deadline): adopt puts both in
+    the index, counts their bytes on disk, orders the retained one by deadline and the other in the
+    unmarked LRU, and the retained one's bytes count against the namespace's retained sum."""
+    life = make_with_disk()
+    a = Entry(NS, hashes(1)[0], BB, 1, 0.0, deadline=50.0, disk=DiskState.ON_DISK, disk_loc=3, disk_deadline=50.0)
+    b = Entry(NS, hashes(2)[0], BB, 2, 1.0, disk=DiskState.ON_DISK, disk_loc=4)
+    life.adopt([a, b])
+    assert life.index.namespace(NS) == {a.hash: a, b.hash: b}
+    assert life.disk.used_bytes == 2 * BB and len(life.disk) == 2
+    assert id(a) in life.disk.retained and b in life.disk.unmarked
+    assert life.retention.retained_bytes(NS, now=10.0) == BB and life.retention.retained_bytes(NS, now=60.0) == 0
