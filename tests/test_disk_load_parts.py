@@ -11,7 +11,7 @@ import contextlib
 import errno
 import threading
 
-from kvservice.core import tiers as tiers_mod
+from kvservice.core import read_jobs as read_jobs_mod
 from kvservice.core.types import LoadStatus, Tier
 from kvservice.disk import segment
 from tests.corekit import BLOCK, Engine, Pool, h, small_config, started_cache
@@ -49,7 +49,7 @@ def _get(cache, i: int):
 async def _parts_setup(tmp_path, monkeypatch):
     """A cache whose 16-block Loads are read in four parts, with blocks 16..31 on disk only and a
     clean host tier to land them in: (cache, engine)."""
-    monkeypatch.setattr(tiers_mod, "READ_PART_BYTES", 2 * BLOCK)
+    monkeypatch.setattr(read_jobs_mod, "READ_PART_BYTES", 2 * BLOCK)
     cfg = small_config(tmp_path, disk_blocks=4 * N, host_capacity_bytes=N * BLOCK)
     async with started_cache(cfg) as cache:
         pool = Pool(num_blocks=4 * N)

@@ -12,7 +12,7 @@ import asyncio
 import threading
 from contextlib import asynccontextmanager
 
-import kvservice.core.tiers as tiers_mod
+import kvservice.core.host_room as host_room_mod
 from kvservice.core.types import LoadStatus, PrefetchStatus, StoreStatus, Tier
 from kvservice.disk import segment
 from kvservice.placement.index import DiskState
@@ -240,14 +240,14 @@ async def _onboard_copies_held(monkeypatch):
     yields (entered, release): entered is set once a copy is held."""
     gate, entered = threading.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
-    real = tiers_mod._copy_rows
+    real = host_room_mod._copy_rows
 
     def held(rows, srcs):
         loop.call_soon_threadsafe(entered.set)
         gate.wait(10)
         return real(rows, srcs)
 
-    monkeypatch.setattr(tiers_mod, "_copy_rows", held)
+    monkeypatch.setattr(host_room_mod, "_copy_rows", held)
     try:
         yield entered, gate.set
     finally:

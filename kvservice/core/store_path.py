@@ -234,19 +234,20 @@ class StorePath:
         """Make room for n blocks of size (evictions, the spills they need) and take the slots:
         (fit, offsets) for the first `fit` of them; (0, None) when none fit."""
         t = self._t
-        fit = 0
-        if t.host.placeable(size) < n:
-            onboarding = t.onboarding()  # slots a disk hit's onboarding copy still fills: theirs in a moment
-            if onboarding is not None:
-                await asyncio.shield(onboarding)
-        for attempt in range(4):  # a concurrent Store may take the slots our spills freed: plan again
-            fit, spills = t.make_host_room(size, n if attempt == 0 else fit, now)
+        fit = want = n
+        for _ in range(4):  # a concurrent Store (or an onboarding) may take the slots our spills freed: plan again
+            if t.host.placeable(size) < want:
+                onboarding = t.onboarding()  # slots a disk hit's onboarding copy fills: evictable blocks in a moment
+                if onboarding is not None:
+                    await asyncio.shield(onboarding)
+            fit, spills = t.make_host_room(size, want, now)
             wait = t.room_after(spills, now, size, fit) if spills else None
             if fit and wait is not None:
                 # the spills belong to the tiers, not to this call: cancelling the Store must not abandon them
                 await asyncio.shield(wait)
             if not fit or t.host.placeable(size) >= fit:
                 break
+            want = fit
         if not fit:
             return 0, None
         fit = min(fit, t.host.placeable(size))
