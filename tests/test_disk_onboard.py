@@ -17,6 +17,7 @@ from kvservice.core.types import LoadStatus, PrefetchStatus, StoreStatus, Tier
 from kvservice.disk import segment
 from kvservice.placement.index import DiskState
 from tests.corekit import BLOCK, Engine, Pool, h, small_config, started_cache
+from tests.test_store_cancellation import cancelled
 
 N = 16  # blocks per Store and per Load; the host tier holds as many
 
@@ -25,16 +26,6 @@ async def _settled(cache) -> None:
     while cache._background:
         await asyncio.gather(*list(cache._background), return_exceptions=True)
     await cache.tiers.drain()
-
-
-async def _cancelled(task: asyncio.Future) -> None:
-    """Cancel a Prefetch in flight; it must raise CancelledError, not return."""
-    task.cancel()
-    try:
-        await task
-        raise AssertionError("the cancelled Prefetch returned")
-    except asyncio.CancelledError:
-        pass
 
 
 def _get(cache, i: int):
@@ -200,7 +191,7 @@ async def test_a_prefetch_cancelled_while_its_victims_spill_leaves_nothing_half_
         await asyncio.sleep(0.05)
         assert not task.done() and cache.tiers.reads_in_flight == 0
         assert all(_get(cache, i).slot < 0 for i in range(N))  # not onboarded yet
-        await _cancelled(task)
+        await cancelled(task)
         now = cache.clock.now()
         assert all(_get(cache, i).pins == 0 and _get(cache, i).lease_until <= now for i in range(N))
         assert cache.tiers.host.loose_bytes == 0
@@ -287,7 +278,7 @@ async def test_a_prefetch_cancelled_during_its_onboarding_copy_gives_the_slots_b
         await _settled(cache)
         task = asyncio.ensure_future(cache.prefetch(eng.sid, [h(i) for i in range(N)]))
         await asyncio.wait_for(entered.wait(), 10)
-        await _cancelled(task)
+        await cancelled(task)
         assert cache.tiers.host.loose_bytes == N * BLOCK  # the copy thread still writes them
         assert cache.audit(idle=False) == []
         release()

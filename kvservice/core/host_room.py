@@ -371,8 +371,7 @@ class HostRoom:
             # Store waiting in onboarding() then finds the blocks resident, not their slots still loose)
             job.add_done_callback(functools.partial(self._settle_onboard, [entries[i] for i in take], offsets, size,
                                                     abandoned, added))
-            self._onboarding.add(job)
-            job.add_done_callback(self._onboarding.discard)
+            self._onboarding.add(job)  # until _settle_onboard
             try:
                 await asyncio.shield(job)
             except BaseException:  # cancelled, or the copy failed: the slots go back once no thread writes them
@@ -386,6 +385,7 @@ class HostRoom:
         """onboard_many's copy has ended (the loop, at once): its slots become the blocks' host copies;
         back to the arena if the copy failed, the call was cancelled, or a block was forgotten or put in
         host memory by another call meanwhile."""
+        self._onboarding.discard(job)
         failed = job.cancelled() or job.exception() is not None
         adds: list[Entry] = []
         add_offs: list[int] = []
