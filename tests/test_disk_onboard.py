@@ -315,3 +315,29 @@ async def test_a_store_waits_for_an_onboarding_copy_instead_of_being_refused(tmp
         assert cache.tiers.host.loose_bytes == 0 and cache.audit() == []
         res = await eng.load(list(range(3 * N, 4 * N)))  # Engine.load compares the bytes
         assert [r.status for r in res] == [LoadStatus.LOADED] * N
+
+
+async def test_a_store_cancelled_while_it_waits_for_an_onboarding_copy_leaves_nothing_half_made(tmp_path, monkeypatch):
+    """Scenario: as above, the Store of 16 new blocks waits for a Load's onboarding copy (held on its
+    thread); it is cancelled there. It raises CancelledError, none of its hashes is left reserved or
+    in the index; once the copy is released the onboarded blocks are resident, nothing is loose, and
+    the same 16 blocks store again, byte-exact."""
+    cfg = small_config(tmp_path, disk_blocks=6 * N, host_capacity_bytes=N * BLOCK)
+    async with _dirty(cfg) as (cache, eng), _onboard_copies_held(monkeypatch) as (entered, release):
+        await eng.load(list(range(N)))
+        await asyncio.wait_for(entered.wait(), 10)
+        store = asyncio.ensure_future(eng.store(list(range(3 * N, 4 * N))))
+        await asyncio.sleep(0.1)
+        assert not store.done()
+        await cancelled(store)
+        assert not [e for e in cache.tiers.index.values() if not e.ready], "half-made entries after the cancel"
+        assert cache.lookup(eng.sid, [h(3 * N)]) == []
+        assert cache.audit(idle=False) == []
+        release()
+        await _settled(cache)
+        assert cache.tiers.host.loose_bytes == 0 and cache.audit() == []
+        assert all(_get(cache, i).slot >= 0 for i in range(N))
+        rs = await eng.store(list(range(3 * N, 4 * N)))
+        assert [r.status for r in rs] == [StoreStatus.STORED] * N
+        res = await eng.load(list(range(3 * N, 4 * N)))  # Engine.load compares the bytes
+        assert [r.status for r in res] == [LoadStatus.LOADED] * N
