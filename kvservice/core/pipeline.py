@@ -19,7 +19,7 @@ from kvservice.core.types import LoadResults, StoreResults
 # KVSERVICE_STORE_PART_BLOCKS overrides the part size (a benchmark's A/B; a huge value: one part)
 PIPELINE_BLOCKS = max(1, int(os.environ.get("KVSERVICE_STORE_PART_BLOCKS", "2048")))
 PIPELINE_FIRST = 256  # the first part: the first copy starts after a short plan; parts double from it
-PIPELINE_DEPTH = 2
+PIPELINE_DEPTH = max(1, int(os.environ.get("KVSERVICE_COPY_DEPTH", "2")))  # an A/B, as the part size
 
 
 def when_copy_ends(fut: asyncio.Future, fn: Callable[[], object]) -> None:

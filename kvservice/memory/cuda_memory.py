@@ -62,7 +62,8 @@ from kvservice.core.types import CacheError, ErrorCode
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 32 << 20  # pipeline granularity: copy chunk k+1 while checksumming / scattering chunk k
+# pipeline granularity: copy chunk k+1 while checksumming / scattering chunk k (KVSERVICE_COPY_CHUNK_MIB: an A/B)
+CHUNK_BYTES = max(1, int(os.environ.get("KVSERVICE_COPY_CHUNK_MIB", "32"))) << 20
 STAGING_SLOTS = 4  # device staging chunks per lane, reused in turn: the DMA engine always has the next ones queued
 MAX_RUN_COPIES = 16  # per chunk; more runs than this go through one cudaMemcpyBatchAsync
 CRC_THREADS = max(1, min(16, (os.cpu_count() or 2) - 2))  # ~6 GB/s each: the store's CRC must keep up with DMA
