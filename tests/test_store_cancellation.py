@@ -68,7 +68,9 @@ def gated_gather(monkeypatch):
     gate.open.set()
     real = ShmEngineMemory.gather_into
 
-    def slow(self, block_ids, arena, offsets):
+    def slow(self, block_ids, arena, offsets, enqueued=None):
+        if enqueued is not None:  # as a device copy: queued at once, its end waits (KVTUNE_COPY_ENQUEUE_FIRST)
+            enqueued()
         gate.wait()
         return real(self, block_ids, arena, offsets)
 
@@ -132,7 +134,9 @@ async def test_a_store_of_blocks_another_store_is_copying_answers_by_that_stores
         a, b = Engine(cache, pool_a), Engine(cache, pool_b)
         mem_a = cache._sessions.get(a.sid).memory
 
-        def gather_a_waits(self, block_ids, arena, offsets):
+        def gather_a_waits(self, block_ids, arena, offsets, enqueued=None):
+            if enqueued is not None:  # as slow() in gated_gather
+                enqueued()
             if self is mem_a:
                 gate.wait()
             return real(self, block_ids, arena, offsets)

@@ -423,7 +423,7 @@ _NUMPY_IDS = 256  # block ids checked with numpy from this many on (its fixed co
 GC_YOUNG_THRESHOLD = 50_000  # allocations between young collections (CPython's default: 700)
 
 
-SWITCH_INTERVAL = float(os.environ.get("KVSERVICE_SWITCH_INTERVAL", "0.0002"))  # seconds
+SWITCH_INTERVAL = float(os.environ.get("KVTUNE_SWITCH_INTERVAL", "0.0002"))  # seconds
 
 
 def _tune_switch_interval() -> None:

@@ -14,12 +14,18 @@ from collections.abc import Callable
 
 from kvservice.core.types import LoadResults, StoreResults
 
+# Tuning knobs for benchmark A/Bs are KVTUNE_* environment variables (not KVSERVICE_*: the daemon's
+# config refuses any KVSERVICE_ variable that names no setting). The defaults are the measured best.
 # A Store chunk of more than 2 x PIPELINE_BLOCKS blocks is planned and copied in parts of that many,
 # the next part's plan beside the previous part's copy, at most PIPELINE_DEPTH copies in flight.
-# KVSERVICE_STORE_PART_BLOCKS overrides the part size (a benchmark's A/B; a huge value: one part)
-PIPELINE_BLOCKS = max(1, int(os.environ.get("KVSERVICE_STORE_PART_BLOCKS", "2048")))
+# KVTUNE_STORE_PART_BLOCKS overrides the part size (a benchmark's A/B; a huge value: one part)
+PIPELINE_BLOCKS = max(1, int(os.environ.get("KVTUNE_STORE_PART_BLOCKS", "2048")))
 PIPELINE_FIRST = 256  # the first part: the first copy starts after a short plan; parts double from it
-PIPELINE_DEPTH = max(1, int(os.environ.get("KVSERVICE_COPY_DEPTH", "2")))  # an A/B, as the part size
+PIPELINE_DEPTH = max(1, int(os.environ.get("KVTUNE_COPY_DEPTH", "2")))  # an A/B, as the part size
+# KVTUNE_COPY_ENQUEUE_FIRST=1 (an A/B): a Store plans its next part only once the copy thread has
+# queued the previous part's work on the device (a copy memory that signals it: SIGNALS_ENQUEUED), so
+# the plan's long GIL holds do not slow that thread's launches (each waits up to the switch interval)
+ENQUEUE_FIRST = os.environ.get("KVTUNE_COPY_ENQUEUE_FIRST", "0") == "1"
 
 
 def when_copy_ends(fut: asyncio.Future, fn: Callable[[], object]) -> None:
@@ -46,6 +52,23 @@ def parts(n: int) -> list[tuple[int, int]]:
         out.append((lo, hi))
         lo, size = hi, min(2 * size, PIPELINE_BLOCKS)
     return out
+
+
+def enqueued_signal(loop: asyncio.AbstractEventLoop) -> tuple[asyncio.Future, Callable[[], None]]:
+    """A future of `loop` and a callback any thread may call once to complete it (a no-op once the
+    loop is closed: the copy it reports on must not fail for that)."""
+    fut = loop.create_future()
+
+    def done() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    def signal() -> None:
+        try:
+            loop.call_soon_threadsafe(done)
+        except RuntimeError:  # the loop is closed
+            pass
+    return fut, signal
 
 
 def fail_unanswered(results: StoreResults | LoadResults, failed: int) -> None:

@@ -188,9 +188,16 @@ class StorePath:
                 if fit:
                     placed = life.build(res, fit)
                     life.place(placed, offsets)
-                    jobs.append((loop.run_in_executor(self._copy_pool, s.memory.gather_into, bids[lo:lo + fit],
-                                                      t.host.arena, offsets), placed))
+                    signal = enq = None
+                    if pipeline.ENQUEUE_FIRST and hi < n and getattr(s.memory, "SIGNALS_ENQUEUED", False):
+                        enq, signal = pipeline.enqueued_signal(loop)
+                    copy = (functools.partial(s.memory.gather_into, enqueued=signal) if signal is not None
+                            else s.memory.gather_into)
+                    jobs.append((loop.run_in_executor(self._copy_pool, copy, bids[lo:lo + fit], t.host.arena, offsets),
+                                 placed))
                     placed_n = lo + fit
+                    if enq is not None:  # the next plan once this copy is queued (or over): see pipeline.ENQUEUE_FIRST
+                        await asyncio.wait((enq, jobs[-1][0]), return_when=asyncio.FIRST_COMPLETED)
                 if fit < want:  # head first: when only part of the chain fits, keep its prefix
                     self._refuse_rest(s, pos[lo + fit:], res, lo + fit, n, now, results)
                     break

@@ -46,7 +46,7 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
@@ -62,8 +62,8 @@ from kvservice.core.types import CacheError, ErrorCode
 
 log = logging.getLogger(__name__)
 
-# pipeline granularity: copy chunk k+1 while checksumming / scattering chunk k (KVSERVICE_COPY_CHUNK_MIB: an A/B)
-CHUNK_BYTES = max(1, int(os.environ.get("KVSERVICE_COPY_CHUNK_MIB", "32"))) << 20
+# pipeline granularity: copy chunk k+1 while checksumming / scattering chunk k (KVTUNE_COPY_CHUNK_MIB: an A/B)
+CHUNK_BYTES = max(1, int(os.environ.get("KVTUNE_COPY_CHUNK_MIB", "32"))) << 20
 STAGING_SLOTS = 4  # device staging chunks per lane, reused in turn: the DMA engine always has the next ones queued
 MAX_RUN_COPIES = 16  # per chunk; more runs than this go through one cudaMemcpyBatchAsync
 CRC_THREADS = max(1, min(16, (os.cpu_count() or 2) - 2))  # ~6 GB/s each: the store's CRC must keep up with DMA
@@ -689,14 +689,19 @@ class CudaEngineMemory:
         sums = self._gather_to(flat, block_ids, [i * bb for i in range(n)], with_checksums)
         return list(flat.view(n, bb).unbind(0)) if n else [], sums
 
-    def gather_into(self, block_ids: Sequence[int], arena: HostArena, offsets: Sequence[int]) -> list[int]:
+    SIGNALS_ENQUEUED = True  # gather_into calls `enqueued` once every chunk is queued on the device
+
+    def gather_into(self, block_ids: Sequence[int], arena: HostArena, offsets: Sequence[int],
+                    enqueued: Callable[[], None] | None = None) -> list[int]:
         """Engine GPU -> host arena slots (pinned): per chunk one gather kernel into device staging,
         then one D2H copy per run of adjacent slots straight into the arena, on the DMA stream while
-        the next chunk gathers. Returns the CRC32C of each block (GPU kernels when available)."""
-        return self._gather_to(arena.base, block_ids, offsets, True)
+        the next chunk gathers. Returns the CRC32C of each block (GPU kernels when available).
+        enqueued(): called (on this thread) once all of it is queued on the device, before the wait
+        for it: the caller may then take the GIL for long without starving this thread's launches."""
+        return self._gather_to(arena.base, block_ids, offsets, True, enqueued)
 
     def _gather_to(self, base: torch.Tensor, block_ids: Sequence[int], offsets: Sequence[int],
-                   with_checksums: bool) -> list[int]:
+                   with_checksums: bool, enqueued: Callable[[], None] | None = None) -> list[int]:
         """gather_into into any flat pinned uint8 tensor; without checksums returns []. Per chunk j:
         gather kernel into staging slot j % STAGING_SLOTS (once the DMA of chunk j - STAGING_SLOTS
         has left it), GPU CRC of the slot beside the DMA, D2H of its runs of adjacent slots."""
@@ -734,6 +739,8 @@ class CudaEngineMemory:
                         free_after[slot] = ev = lane.dma.record_event()
                     done.append((lo, k, ev))
                     lo += k
+                if enqueued is not None:
+                    enqueued()
                 sums: list[int] = []
                 if gpu_crc is not None:
                     crc_host = torch.empty(n_all, dtype=torch.int32, pin_memory=True)

@@ -23,7 +23,7 @@ import fcntl
 import mmap
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -109,10 +109,16 @@ class ShmEngineMemory:
         rows = self.gather(block_ids)
         return rows, [checksum(row) for row in rows]
 
-    def gather_into(self, block_ids: Sequence[int], arena: HostArena, offsets: Sequence[int]) -> list[int]:
+    SIGNALS_ENQUEUED = True  # as CudaEngineMemory's; a CPU copy has no device queue to fill: at once
+
+    def gather_into(self, block_ids: Sequence[int], arena: HostArena, offsets: Sequence[int],
+                    enqueued: Callable[[], None] | None = None) -> list[int]:
         """Copy blocks straight into host arena slots (one index_select per run of adjacent slots
-        and region); returns the CRC32C of each."""
+        and region); returns the CRC32C of each. enqueued(): called first (the CUDA memory calls it
+        once its copies are queued on the device; this copy runs on this thread, nothing to queue)."""
         bb = self.block_bytes
+        if enqueued is not None:
+            enqueued()
         with self._inflight:
             for part, dst in self._slot_runs(block_ids, arena, offsets):
                 if len(self._views) == 1:
