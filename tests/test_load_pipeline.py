@@ -36,9 +36,11 @@ def scatters(monkeypatch):
     gate.fail_at = -1
     real = ShmEngineMemory.scatter_from
 
-    def scatter(self, block_ids, arena, offsets):
+    def scatter(self, block_ids, arena, offsets, enqueued=None):
         k = len(gate.calls)
         gate.calls.append(list(block_ids))
+        if enqueued is not None:  # as a device copy: queued at once, its end waits (pipeline.ENQUEUE_FIRST)
+            enqueued()
         gate.wait()
         if k == gate.fail_at:
             raise OSError("engine pool gone")

@@ -188,11 +188,7 @@ class StorePath:
                 if fit:
                     placed = life.build(res, fit)
                     life.place(placed, offsets)
-                    signal = enq = None
-                    if pipeline.ENQUEUE_FIRST and hi < n and getattr(s.memory, "SIGNALS_ENQUEUED", False):
-                        enq, signal = pipeline.enqueued_signal(loop)
-                    copy = (functools.partial(s.memory.gather_into, enqueued=signal) if signal is not None
-                            else s.memory.gather_into)
+                    copy, enq = pipeline.copy_call(s.memory, "gather_into", loop, hi < n)
                     jobs.append((loop.run_in_executor(self._copy_pool, copy, bids[lo:lo + fit], t.host.arena, offsets),
                                  placed))
                     placed_n = lo + fit

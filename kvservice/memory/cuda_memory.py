@@ -766,10 +766,12 @@ class CudaEngineMemory:
             raise ValueError(f"{len(block_ids)} block ids but {len(srcs)} source buffers")
         self._scatter_chunks(block_ids, lambda staged, lo, k, stream: self._copy_in(staged, srcs[lo:lo + k], stream))
 
-    def scatter_from(self, block_ids: Sequence[int], arena: HostArena, offsets: Sequence[int]) -> None:
+    def scatter_from(self, block_ids: Sequence[int], arena: HostArena, offsets: Sequence[int],
+                     enqueued: Callable[[], None] | None = None) -> None:
         """Host arena slots (pinned) -> engine GPU: per chunk the H2D copies of its runs of adjacent
         slots into device staging (one cudaMemcpyBatchAsync when there are many), then one scatter
-        kernel; no per-block tensor. Returns once the bytes are in the engine's memory."""
+        kernel; no per-block tensor. Returns once the bytes are in the engine's memory. enqueued():
+        as gather_into's, once every chunk is queued on the device."""
         bb = self.block_bytes
         if len(block_ids) != len(offsets):
             raise ValueError(f"{len(block_ids)} block ids but {len(offsets)} slots")
@@ -779,9 +781,9 @@ class CudaEngineMemory:
         def fill(staged: torch.Tensor, lo: int, k: int, stream: torch.cuda.Stream) -> None:
             self._copy_runs_in(staged, [(first, n, base[off:off + n * bb]) for first, n, off in runs(offs[lo:lo + k], bb)],
                                stream)
-        self._scatter_chunks(block_ids, fill)
+        self._scatter_chunks(block_ids, fill, enqueued)
 
-    def _scatter_chunks(self, block_ids: Sequence[int], fill) -> None:
+    def _scatter_chunks(self, block_ids: Sequence[int], fill, enqueued: Callable[[], None] | None = None) -> None:
         """Per chunk j: fill(staged, first, rows, dma stream) puts its host bytes into staging slot
         j % STAGING_SLOTS (once the scatter of chunk j - STAGING_SLOTS is done with it), then one
         scatter kernel on the other stream. Returns once the bytes are in the engine's memory."""
@@ -810,6 +812,8 @@ class CudaEngineMemory:
                         self._scatter_dev(idx[lo:lo + k], staged)
                         free_after[slot] = lane.kernels.record_event()
                     lo += k
+                if enqueued is not None:
+                    enqueued()
             finally:
                 lane.synchronize()  # the Load reply promises the bytes are in the engine's memory
 

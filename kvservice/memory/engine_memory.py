@@ -158,8 +158,12 @@ class ShmEngineMemory:
                         view[b].view(torch.uint8).copy_(src[col * self._word:(col + width) * self._word])
                     col += width
 
-    def scatter_from(self, block_ids: Sequence[int], arena: HostArena, offsets: Sequence[int]) -> None:
-        """Host arena slots -> engine pool: one index_copy_ per run of adjacent slots and region."""
+    def scatter_from(self, block_ids: Sequence[int], arena: HostArena, offsets: Sequence[int],
+                     enqueued: Callable[[], None] | None = None) -> None:
+        """Host arena slots -> engine pool: one index_copy_ per run of adjacent slots and region.
+        enqueued(): called first, as in gather_into."""
+        if enqueued is not None:
+            enqueued()
         with self._inflight:
             for part, src in self._slot_runs(block_ids, arena, offsets):
                 col = 0
