@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import logging
 import os
 import sys
@@ -42,6 +43,7 @@ from kvservice.core.sessions import Session, SessionTable
 from kvservice.core.sessions_api import MAIN_LISTENER, NamespaceSpec, OpenedSession, Peer, PoolSpec, SessionInfo
 from kvservice.ops.stats import CounterSet, Counters, Histogram
 from kvservice.core.tiers import Tiers
+from kvservice.core.lifecycle import in_host_tier
 from kvservice.core.load_path import LoadPath
 from kvservice.core.prefetch_path import PrefetchPath
 from kvservice.core.store_path import StorePath
@@ -323,7 +325,7 @@ class BlockCache(StorePath, LoadPath, PrefetchPath):
                              f"{len(hashes)} hashes exceed max_batch_blocks = {self.config.max_batch_blocks}")
         t = self._t
         now = self.clock.now()
-        if namespace not in self.namespaces.records and not any(e.namespace == namespace for e in t.index.values()):
+        if namespace not in self.namespaces.records and not t.index.has_namespace(namespace):
             raise CacheError(ErrorCode.NOT_FOUND, f"namespace {quoted(namespace)} has no blocks and no sessions")
         out: list[dict | None] = []
         for h in hashes:
@@ -344,20 +346,45 @@ class BlockCache(StorePath, LoadPath, PrefetchPath):
                 for s in self._sessions.all()]
 
     def namespace_stats(self) -> list[dict]:
+        """One row per namespace with a record or an indexed entry: O(namespaces + sessions), from
+        the counts the lifecycle keeps (kvservice.placement.tier_counts) and retention's sums;
+        _namespace_stats_walked is the walk they replace (audit() checks they agree)."""
+        return self._namespace_stats(self.clock.now())
+
+    def _namespace_stats(self, now: float) -> list[dict]:
         t = self._t
-        now = self.clock.now()
+        counts = t.life.ns_counts
+        rows: dict[str, dict] = {}
+        for ns_id, rec in self.namespaces.records.items():
+            rows[ns_id] = self._namespace_row(ns_id, rec.block_bytes)
+        for ns_id, first in t.index.namespaces():
+            if ns_id not in rows:
+                rows[ns_id] = self._namespace_row(ns_id, first.size)
+        for ns_id, row in rows.items():
+            row["host_blocks"], row["host_bytes"], row["disk_blocks"], row["disk_bytes"] = counts.get(ns_id)
+            row["retained_bytes"] = t.retention.retained_bytes(ns_id, now)
+        for s in self._sessions.all():
+            if s.namespace in rows:
+                rows[s.namespace]["sessions"] += 1
+        return list(rows.values())
+
+    def _namespace_row(self, ns_id: str, block_bytes: int) -> dict:
+        rec = self.namespaces.records.get(ns_id)
+        spec = rec.spec if rec is not None else None
+        return dict(namespace_id=ns_id, model_id=spec.model_id if spec else "", tp_rank=spec.tp_rank if spec else 0,
+                    tp_size=spec.tp_size if spec else 0, block_bytes=rec.block_bytes if rec else block_bytes,
+                    host_blocks=0, host_bytes=0, disk_blocks=0, disk_bytes=0, retained_bytes=0,
+                    retained_cap_bytes=self.config.retained_cap_bytes, sessions=0, counters=self.stats.ns(ns_id))
+
+    def _namespace_stats_walked(self, now: float) -> list[dict]:
+        """namespace_stats by a walk of every indexed entry: the reference audit() checks the counts against."""
+        t = self._t
         rows: dict[str, dict] = {}
 
         def row_of(ns_id: str, block_bytes: int) -> dict:
             row = rows.get(ns_id)
             if row is None:
-                rec = self.namespaces.records.get(ns_id)
-                spec = rec.spec if rec is not None else None
-                row = rows[ns_id] = dict(
-                    namespace_id=ns_id, model_id=spec.model_id if spec else "", tp_rank=spec.tp_rank if spec else 0,
-                    tp_size=spec.tp_size if spec else 0, block_bytes=rec.block_bytes if rec else block_bytes,
-                    host_blocks=0, host_bytes=0, disk_blocks=0, disk_bytes=0, retained_bytes=0,
-                    retained_cap_bytes=self.config.retained_cap_bytes, sessions=0, counters=self.stats.ns(ns_id))
+                row = rows[ns_id] = self._namespace_row(ns_id, block_bytes)
             return row
 
         for ns_id, rec in self.namespaces.records.items():
@@ -378,8 +405,29 @@ class BlockCache(StorePath, LoadPath, PrefetchPath):
         return list(rows.values())
 
     def tier_stats(self) -> list[dict]:
+        """One row per tier, O(1) each: blocks and bytes from the tier's books, pinned and retained
+        members from its counts (kvservice.placement.tier_counts); audit() checks them against
+        _tier_stats_walked."""
+        return self._tier_stats(self.clock.now())
+
+    def _tier_stats(self, now: float) -> list[dict]:
         t = self._t
-        now = self.clock.now()
+        out = []
+        if t.host is not None:
+            host = t.host
+            out.append(dict(name=host.name, capacity_bytes=host.capacity_bytes, used_bytes=host.used_bytes,
+                            blocks=len(host) + len(host.unstaged), pinned_blocks=host.counts.pinned_blocks(now),
+                            retained_blocks=host.counts.retained_blocks(now)))
+        if t.disk is not None:
+            disk = t.disk
+            out.append(dict(name=disk.name, capacity_bytes=disk.capacity_bytes, used_bytes=disk.used_bytes,
+                            blocks=len(disk.unmarked) + len(disk.retained), pinned_blocks=disk.counts.pinned_blocks(now),
+                            retained_blocks=disk.counts.retained_blocks(now)))
+        return out
+
+    def _tier_stats_walked(self, now: float) -> list[dict]:
+        """tier_stats by a walk of each tier's blocks: the reference audit() checks the counts against."""
+        t = self._t
         out = []
         for tier in (t.host, t.disk):
             if tier is None:
@@ -415,6 +463,36 @@ class BlockCache(StorePath, LoadPath, PrefetchPath):
             disk = sum(e.size for e in t.index.values() if e.disk != DiskState.NONE)
             if disk != t.disk.used_bytes:
                 problems.append(f"disk tier accounts {t.disk.used_bytes} bytes, its blocks hold {disk}")
+        problems += self._audit_stats_counts()
+        return problems
+
+    def _audit_stats_counts(self) -> list[str]:
+        """The Stats figures kept incrementally against the walks they replace (at one `now`), and
+        the lifecycle's test of host tier membership (lifecycle.in_host_tier) against the tier's books.
+        These hold at every await point, not only when idle."""
+        t = self._t
+        now = self.clock.now()
+        problems: list[str] = []
+        for kind, fast, walked in (("namespace", self._namespace_stats(now), self._namespace_stats_walked(now)),
+                                   ("tier", self._tier_stats(now), self._tier_stats_walked(now))):
+            for a, b in itertools.zip_longest(fast, walked, fillvalue={}):
+                name = a.get("namespace_id", a.get("name")) or b.get("namespace_id", b.get("name"))
+                for k in sorted(set(a) | set(b)):
+                    if a.get(k) != b.get(k):
+                        problems.append(f"{kind} {name} stats: {k} is {a.get(k)} counted, {b.get(k)} walked")
+        members = {id(e) for e in t.host.entries()}
+        seen = {id(e): e for e in t.index.values()}
+        for more in (t.life.aborted.values(), t.life.releasing.values(), t.host.spilling.values(), t.host.entries()):
+            seen.update((id(e), e) for e in more)
+        odd = [e for k, e in seen.items() if in_host_tier(e) != (k in members)]
+        if odd:
+            problems.append(f"{len(odd)} blocks whose state says {'not ' if id(odd[0]) in members else ''}in the "
+                            f"host tier, its books say otherwise")
+        if t.disk is not None:
+            on_disk = {id(e) for e in t.disk.entries()}
+            odd = [e for k, e in seen.items() if (e.disk == DiskState.ON_DISK) != (k in on_disk)]
+            if odd:
+                problems.append(f"{len(odd)} blocks whose disk state and the disk tier's books disagree")
         return problems
 
 

@@ -36,14 +36,18 @@ two at every await point of a Store or Load):
   - a lease is owned by an open session; the lease bytes per session and in total add up
   - when no call is in flight: nothing RESERVED or ABORTED, nothing pinned
 Who decides which block is a victim is tiers.Tiers with the pure policies of kvservice.placement;
-this module only moves blocks between states and keeps the counters they change.
+this module only moves blocks between states and keeps the counters they change, those Admin.Stats
+reports included (kvservice.placement.tier_counts: per tier in host.counts / disk.counts, per namespace
+in ns_counts; BlockCache.audit checks them against the walks they replace).
 """
 
 from __future__ import annotations
 
 import asyncio
 import heapq
+from collections import Counter
 from itertools import repeat
+from operator import attrgetter, countOf
 from collections.abc import Iterable, Sequence
 
 from kvservice.disk.disk_tier import DiskTier
@@ -52,6 +56,7 @@ from kvservice.placement.index import DiskState
 from kvservice.ops.stats import CounterSet
 from kvservice.placement.index import BlockIndex, Entry, reserved_entry
 from kvservice.placement.retention import Retention
+from kvservice.placement.tier_counts import NamespaceCounts, TierCounts
 from kvservice.core.types import BlockHash, NamespaceId, SessionId
 
 
@@ -59,6 +64,16 @@ _ENTRY_FIELDS = ("namespace", "hash", "size", "checksum", "stored_at", "deadline
                  "release_pending", "disk", "disk_path", "disk_loc", "disk_deadline", "pins", "lease_until",
                  "lease_owner", "ready")
 assert tuple(Entry.__dataclass_fields__) == _ENTRY_FIELDS, "index.reserved_entry sets every field of Entry"
+
+
+def in_host_tier(e: Entry) -> bool:
+    """e is one of the host tier's members (HostTier.entries(): its LRU, and its spills still on
+    its capacity), told by e's state: a slot, ready, not staged, no release pending."""
+    return e.slot >= 0 and e.ready and not e.staged and not e.release_pending
+
+
+_namespace_of = attrgetter("namespace")
+_size_of = attrgetter("size")
 
 
 class LeaseBook:
@@ -125,6 +140,11 @@ class Lifecycle:
         self.releasing: dict[int, Entry] = {}  # released while pinned: the slot goes at the last unpin
         self._outcome: dict[int, asyncio.Future[None]] = {}  # id(reserved entry) -> resolved at commit / rollback
         self._marks: dict[int, Reservation] = {}  # id(mark) -> its Reservation, until finish()
+        # what Admin.Stats reports, kept where blocks change state (kvservice.placement.tier_counts):
+        # per namespace over indexed entries here, per tier in host.counts / disk.counts
+        self.ns_counts = NamespaceCounts()
+        self._disk_counts = disk.counts if disk is not None else TierCounts()  # (no disk tier: never joined)
+        self._leased = (host.counts.leased.live, self._disk_counts.leased.live)
 
     # --- reservations (Store)
     def reserve(self, blocks: dict[bytes, Entry], ns: NamespaceId, hashes: Sequence[bytes], size: int,
@@ -191,6 +211,7 @@ class Lifecycle:
             e.slot = off
         if entries:
             self.host.held(len(offsets) * entries[0].size)
+            self.ns_counts.host(entries[0].namespace, len(offsets), len(offsets) * entries[0].size)
 
     def commit(self, entries: Sequence[Entry], checksums: Sequence[int]) -> None:
         """RESERVED+slot -> READY, RESIDENT: the copy into the slots is done. Head first."""
@@ -212,6 +233,8 @@ class Lifecycle:
                 continue
             self.index.remove(e)
             rolled.append(e)
+            if e.slot >= 0:  # out of the index: its slot no longer counts for the namespace
+                self.ns_counts.host(e.namespace, -1, -e.size)
             if e.slot < 0:
                 e.pins = 0
             elif copy_running:
@@ -266,27 +289,69 @@ class Lifecycle:
 
     # --- holds
     def pin(self, entries: Iterable[Entry]) -> None:
+        """One more pin on each; a host or disk tier member's first one counts it as pinned there
+        (TierCounts.pinned, inlined: this loop runs per block of every Load). in_host_tier(e) is
+        `slot >= 0 and not staged` here: an entry with no pin has no release pending (it is set
+        only on a pinned one), and one with a slot and no pin is ready (a reserved or rolled-back
+        entry holds its reserving pin while it has a slot). audit() checks the counts."""
+        host_leased, disk_leased = self._leased
+        has_disk, on_disk = self.disk is not None, DiskState.ON_DISK
+        hp = dp = 0
         for e in entries:
-            e.pins += 1
+            if e.pins:
+                e.pins += 1
+                continue
+            e.pins = 1
+            if e.slot >= 0 and not e.staged:
+                hp += 1
+                if e.lease_until:
+                    host_leased.pop(id(e), None)
+            if has_disk and e.disk is on_disk:  # (disk is always a DiskState member)
+                dp += 1
+                if e.lease_until:
+                    disk_leased.pop(id(e), None)
+        self.host.counts.pins += hp
+        self._disk_counts.pins += dp
 
     def unpin(self, entries: Iterable[Entry]) -> None:
-        """Drop one pin of each; a slot whose release waited for its last pin goes now."""
-        if not self.releasing:  # no release waits for an unpin (release_pending is set only with one)
-            for e in entries:
-                e.pins -= 1
-            return
+        """Drop one pin of each; a slot whose release waited for its last pin goes now. A tier
+        member's last one counts it as unpinned there (TierCounts.unpinned, inlined; in_host_tier(e)
+        is `slot >= 0 and not staged` once no release is pending: an entry whose last pin goes here
+        is ready, a reserved one's goes at commit or rollback)."""
+        hc, dc = self.host.counts, self._disk_counts
+        has_disk, on_disk = self.disk is not None, DiskState.ON_DISK
+        hp = dp = 0
         for e in entries:
             e.pins -= 1
-            if e.pins == 0 and e.release_pending:
+            if e.pins:
+                continue
+            if e.release_pending:  # (set only with an entry in self.releasing): not in the host tier
+                if has_disk and e.disk is on_disk:
+                    dp += 1
+                    if e.lease_until:
+                        dc.leased.add(e)
                 self.release(e)
+                continue
+            if e.slot >= 0 and not e.staged:
+                hp += 1
+                if e.lease_until:
+                    hc.leased.add(e)
+            if has_disk and e.disk is on_disk:
+                dp += 1
+                if e.lease_until:
+                    dc.leased.add(e)
+        hc.pins -= hp
+        dc.pins -= dp
 
     # --- host copy
     def add(self, chain: Sequence[Entry], offsets: Sequence[int]) -> None:
         """NONE -> RESIDENT: ready entries (head first) get the slots their bytes were put in."""
         for e, off in zip(chain, offsets):
             assert e.slot < 0
+            was = self._where(e)
             e.slot = off
             self.host.held(e.size)
+            self._moved(e, was)
         self.host.lru_touch(chain)
 
     def evict(self, e: Entry, keep_slot: bool) -> None:
@@ -294,6 +359,7 @@ class Lifecycle:
         host = self.host
         host.lru_discard(e)
         if keep_slot:
+            was = self._where(e)
             e.spilling = True
             host.spilling[id(e)] = e
             if host.staged_bytes + e.size <= host.staging_bytes:
@@ -302,6 +368,7 @@ class Lifecycle:
                 host.used_bytes -= e.size
             else:  # staged in spill order, as the budget frees up (_promote)
                 host.unstaged[id(e)] = e
+            self._moved(e, was)
         else:
             self.release(e)
 
@@ -332,11 +399,13 @@ class Lifecycle:
                 e.slot = -1
             host.arena.free(free, size)
             host.used_bytes -= len(free) * size
+            self._left_host_plain(plain, size)
             self._wake_and_promote(plain)
 
     def restore(self, e: Entry) -> bool:
         """SPILLING -> RESIDENT with the slot it kept (its spill failed); False: no room for it."""
         host = self.host
+        was = self._where(e)
         if e.staged:
             if e.size > host.free_bytes:
                 return False
@@ -347,6 +416,7 @@ class Lifecycle:
         host.unstaged.pop(id(e), None)
         e.spilling = False
         host.lru_touch([e])
+        self._moved(e, was)
         return True
 
     def release(self, e: Entry) -> None:
@@ -354,6 +424,7 @@ class Lifecycle:
         if e.slot < 0:
             return
         host = self.host
+        was = self._where(e)
         host.lru_discard(e)
         host.spilling.pop(id(e), None)
         host.unstaged.pop(id(e), None)
@@ -361,6 +432,7 @@ class Lifecycle:
         if e.pins:
             e.release_pending = True
             self.releasing[id(e)] = e
+            self._moved(e, was)
             return
         self.releasing.pop(id(e), None)
         host.arena.free([e.slot], e.size)
@@ -371,6 +443,7 @@ class Lifecycle:
             host.used_bytes -= e.size
         e.slot = -1
         e.release_pending = False
+        self._moved(e, was)
         self._wake_and_promote((e,))
 
     def _wake_and_promote(self, released: Iterable[Entry]) -> None:
@@ -392,17 +465,24 @@ class Lifecycle:
             if host.staged_bytes + e.size > host.staging_bytes:
                 return
             del unstaged[k]
+            was = self._where(e)
             e.staged = True
             host.staged_bytes += e.size
             host.used_bytes -= e.size
+            self._moved(e, was)
             host.wake(e)
 
     def forget(self, e: Entry) -> None:
         """-> (absent): neither copy is left (or an admin evict / a discard)."""
+        self._unindexed(e)
         self.retention.forget(e)
         self.index.remove(e)
 
     def forget_many(self, entries: Sequence[Entry]) -> None:
+        has_disk, on_disk = self.disk is not None, DiskState.ON_DISK
+        for e in entries:  # (victims dropped: no slot and no disk copy left, one check each)
+            if e.slot >= 0 or (has_disk and e.disk == on_disk):
+                self._unindexed(e)
         self.retention.forget_many(entries)
         self.index.remove_many(entries)
 
@@ -426,11 +506,13 @@ class Lifecycle:
     def disk_commit(self, e: Entry, deadline: float, path: str = "") -> None:
         """QUEUED -> ON_DISK: its bytes and metadata are written, with `deadline` (the files format: at `path`)."""
         assert self.disk is not None and e.disk == DiskState.QUEUED
+        was = self._where(e)
         if path:
             e.disk_path = path
         e.disk_deadline = deadline
         e.disk = DiskState.ON_DISK
         self.disk.commit(e)
+        self._moved(e, was)
 
     def disk_deadline(self, e: Entry, deadline: float) -> None:
         """The deadline its disk copy now carries (a metadata update or header rewrite was issued)."""
@@ -442,18 +524,22 @@ class Lifecycle:
         assert self.disk is not None
         if e.disk != DiskState.ON_DISK:
             return
+        was = self._where(e)
         self.disk.release(e)
         e.disk = DiskState.NONE
         e.disk_path = ""
         e.disk_loc = -1
+        self._moved(e, was)
 
     def adopt(self, entries: Sequence[Entry]) -> None:
         """(absent) -> ON_DISK: blocks found on disk at restart (made ON_DISK, oldest first) enter the
         index, the disk tier's books and retention."""
         assert self.disk is not None
         self.retention.track_many([e for e in entries if e.deadline > 0])
+        before = len(self.index)
         self.index.add_many(entries)
         self.disk.adopt_many(entries)
+        self._adopted(entries, all_indexed=len(self.index) - before == len(entries))
 
     def retain(self, e: Entry, ttl: float, now: float) -> float | None:
         """Its retention deadline to now + ttl if later (deadlines only extend); None: the namespace's
@@ -463,7 +549,12 @@ class Lifecycle:
             return None
         if deadline != e.deadline:
             e.deadline = deadline
-            self.retention.counted(e, now)
+            if self.index.holds(e):  # (a block forgotten since its caller found it keeps no retained bytes)
+                self.retention.counted(e, now)
+            if in_host_tier(e):  # its tiers' retained counts: a new expiry
+                self.host.counts.retained.add(e)
+            if e.disk == DiskState.ON_DISK:
+                self._disk_counts.retained.add(e)
         if self.disk is not None:  # on disk: into the retained order (evicted by deadline, after the unmarked)
             self.disk.mark_retained(e)
         return deadline
@@ -482,6 +573,9 @@ class Lifecycle:
         until = now + seconds
         mine = book.by_owner.setdefault(owner, {})
         total = 0
+        host_leased: list[Entry] = []  # tier members pinned by their lease alone: the tiers' leased counts
+        disk_leased: list[Entry] = []
+        has_disk, on_disk = self.disk is not None, DiskState.ON_DISK
         for e in entries:
             if id(e) in held:
                 self.end_lease(e, used=False)
@@ -490,6 +584,13 @@ class Lifecycle:
             held[id(e)] = (e, staged)
             mine[id(e)] = e
             total += e.size
+            if not e.pins:  # (in_host_tier(e) of an entry with no pin: slot >= 0 and not staged, as in pin())
+                if e.slot >= 0 and not e.staged:
+                    host_leased.append(e)
+                if has_disk and e.disk is on_disk:
+                    disk_leased.append(e)
+        self.host.counts.leased.add_batch(host_leased, until)
+        self._disk_counts.leased.add_batch(disk_leased, until)
         if not mine:
             del book.by_owner[owner]
         if entries:
@@ -520,6 +621,8 @@ class Lifecycle:
                 del book.by_owner[owner]
         e.lease_until = 0.0
         e.lease_owner = ""
+        for leased in self._leased:  # (TierCounts.leased.discard, inlined)
+            leased.pop(id(e), None)
 
     def loaded(self, owner: SessionId, entries: Sequence[Entry]) -> None:
         """A Load by owner served these blocks: reuse counted; the leases it holds on them did their job."""
@@ -544,6 +647,71 @@ class Lifecycle:
             for e in heapq.heappop(heap)[2]:
                 if id(e) in entries and e.lease_until <= now:  # not ended early, not leased again since
                     self.end_lease(e, used=False)
+
+    # --- the Stats counts (kvservice.placement.tier_counts) follow a block's state
+    def _where(self, e: Entry) -> int:
+        """Which counts e is in: 1 a host tier member, 2 a slot on the host tier's capacity, 4 on disk."""
+        return ((in_host_tier(e) and 1) | (e.host_buf is not None and 2) | (e.disk == DiskState.ON_DISK and 4))
+
+    def _moved(self, e: Entry, was: int) -> None:
+        """e changed state (was: _where(e) before); its pins, lease and deadline did not."""
+        now = self._where(e)
+        diff = now ^ was
+        if not diff:
+            return
+        if diff & 1:
+            (self.host.counts.join if now & 1 else self.host.counts.leave)(e)
+        if diff & 4:
+            (self._disk_counts.join if now & 4 else self._disk_counts.leave)(e)
+        if diff & 6 and self.index.holds(e):  # the namespace's figures are over indexed entries
+            if diff & 2:
+                self.ns_counts.host(e.namespace, 1 if now & 2 else -1, e.size if now & 2 else -e.size)
+            if diff & 4:
+                self.ns_counts.disk(e.namespace, 1 if now & 4 else -1, e.size if now & 4 else -e.size)
+
+    def _unindexed(self, e: Entry) -> None:
+        """e is about to leave the index: its slot and disk copy no longer count for its namespace."""
+        if not self.index.holds(e):
+            return
+        if e.host_buf is not None:
+            self.ns_counts.host(e.namespace, -1, -e.size)
+        if e.disk == DiskState.ON_DISK:
+            self.ns_counts.disk(e.namespace, -1, -e.size)
+
+    def _left_host_plain(self, plain: Sequence[Entry], size: int) -> None:
+        """evict_many's plain victims (resident, indexed, unpinned, of one size) left the host tier."""
+        counts = self.host.counts
+        leased, retained = counts.leased.live, counts.retained.live
+        if leased or retained:
+            for e in plain:
+                if e.lease_until:
+                    leased.pop(id(e), None)
+                if e.deadline:
+                    retained.pop(id(e), None)
+        ns = plain[0].namespace
+        if countOf(map(_namespace_of, plain), ns) == len(plain):  # (the usual batch: one namespace)
+            self.ns_counts.host(ns, -len(plain), -len(plain) * size)
+        else:
+            for ns, k in Counter(map(_namespace_of, plain)).items():
+                self.ns_counts.host(ns, -k, -k * size)
+
+    def _adopted(self, entries: Sequence[Entry], all_indexed: bool) -> None:
+        """Blocks found on disk at restart joined the index and the disk tier (no pin, no lease)."""
+        self._disk_counts.retained.add_many([e for e in entries if e.deadline > 0])
+        if not all_indexed:  # the same key twice: only the one indexed counts for its namespace
+            holds = self.index.holds
+            for e in entries:
+                if e.deadline > 0 and not holds(e):
+                    self.retention.forget(e)
+            entries = [e for e in entries if holds(e)]
+        sizes = set(map(_size_of, entries))
+        if len(sizes) == 1:
+            size = sizes.pop()
+            for ns, k in Counter(map(_namespace_of, entries)).items():
+                self.ns_counts.disk(ns, k, k * size)
+        else:
+            for e in entries:
+                self.ns_counts.disk(e.namespace, 1, e.size)
 
     # --- invariants
     def audit(self, owners: set[SessionId], idle: bool = True) -> list[str]:

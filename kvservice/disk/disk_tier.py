@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 from kvservice.placement.index import DiskState, Entry
 from kvservice.placement.lru import ChainLRU
+from kvservice.placement.tier_counts import TierCounts
 
 
 class DiskTier:
@@ -34,6 +35,7 @@ class DiskTier:
         self.retained: dict[int, Entry] = {}  # on disk with a deadline (expired or not), by id()
         self.queued: dict[int, Entry] = {}  # reserved spills not yet written, in spill order
         self._on_disk = 0
+        self.counts = TierCounts()  # pinned and retained members, for Stats (kept by kvservice.core.lifecycle)
 
     @property
     def free_bytes(self) -> int:

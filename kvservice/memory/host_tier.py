@@ -12,6 +12,8 @@ updates these books):
   freed(entries) -> future | None      resolves when their bytes are off the tier's capacity (slot
                                        freed, or moved to the staging budget): the room a Store waits for
   row(entry) / rows(entries)           uint8 views of slots
+  counts                               pinned / retained members for Stats (placement.tier_counts), kept
+                                       by the lifecycle; len(self) + len(unstaged) is the block count
 used_bytes is the bytes of slots on the tier's capacity (resident blocks, reserved and rolled-back
 Stores' slots, reads landing in slots), at most capacity_bytes. A victim being spilled keeps its
 slot until the write ends (`spilling`): its bytes move to the spill staging budget (staging_bytes,
@@ -30,6 +32,7 @@ import torch
 
 from kvservice.placement.index import Entry
 from kvservice.placement.lru import ChainLRU
+from kvservice.placement.tier_counts import TierCounts
 from kvservice.memory.host_arena import HostArena
 
 
@@ -49,6 +52,7 @@ class HostTier:
         # oldest is taken from the front, O(1) (a dict's front would be a run of deleted slots)
         self.unstaged: OrderedDict[int, Entry] = OrderedDict()
         self.waiters: dict[int, asyncio.Future[None]] = {}  # id(entry) -> resolved when its slot is off the tier
+        self.counts = TierCounts()  # pinned and retained members, for Stats (kept by kvservice.core.lifecycle)
 
     @property
     def free_bytes(self) -> int:

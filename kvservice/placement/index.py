@@ -203,6 +203,16 @@ class BlockIndex:
     def __len__(self) -> int:
         return sum(len(d) for d in self._by_ns.values())
 
+    def has_namespace(self, ns: NamespaceId) -> bool:
+        """Some entry (ready or not) is indexed under ns."""
+        return bool(self._by_ns.get(ns))
+
+    def namespaces(self) -> Iterator[tuple[NamespaceId, Entry]]:
+        """Each namespace with an entry, in the order values() meets them, with the first one it meets."""
+        for ns, d in list(self._by_ns.items()):
+            if d:
+                yield ns, next(iter(d.values()))
+
     def values(self) -> Iterator[Entry]:
         for d in list(self._by_ns.values()):
             yield from d.values()
