@@ -173,6 +173,55 @@ async def test_a_store_of_blocks_another_store_is_copying_answers_by_that_stores
         pool_b.close()
 
 
+async def test_a_store_waiting_for_another_stores_copy_answers_not_stored_if_that_block_is_evicted_meanwhile(
+        tmp_path, monkeypatch):
+    """Scenario: Store B of blocks 0-1 (retain 60 s) waits for Store A, which is copying them in.
+    A commits, and before B wakes up the blocks are evicted (an admin Evict here; any eviction in
+    that window does the same; no disk tier, so nothing of them is left). B must not answer
+    ALREADY_STORED with a retention deadline for bytes nobody keeps: NOT_STORED, store again.
+    No retained bytes are counted for them, and 0-1 store again byte-exact."""
+    gate = Gate()
+    real = ShmEngineMemory.gather_into
+    async with started_cache(small_config(tmp_path, disk_blocks=0, host_capacity_bytes=8 * 4096)) as cache:
+        pool_a, pool_b = Pool(), Pool()
+        a, b = Engine(cache, pool_a), Engine(cache, pool_b)
+        mem_a = cache._sessions.get(a.sid).memory
+        life = cache.tiers.life
+        b_may_go = asyncio.get_running_loop().create_future()
+        outcome = life.outcome
+        monkeypatch.setattr(life, "outcome", lambda entries: [*outcome(entries), b_may_go])
+
+        def gather_a_waits(self, block_ids, arena, offsets, enqueued=None):
+            if enqueued is not None:
+                enqueued()
+            if self is mem_a:
+                gate.wait()
+            return real(self, block_ids, arena, offsets)
+
+        monkeypatch.setattr(ShmEngineMemory, "gather_into", gather_a_waits)
+        gate.open.clear()
+        task_a = asyncio.ensure_future(a.store([0, 1]))
+        await until(gate.entered.is_set, "A's gather to start")
+        task_b = asyncio.ensure_future(b.store([0, 1], ttl=60.0))
+        await asyncio.sleep(0.05)
+        assert not task_b.done(), "B answers 0-1 once A's outcome is known"
+        gate.open.set()
+        assert [r.status for r in await task_a] == [StoreStatus.STORED] * 2
+        assert await cache.evict(all=True) == 2
+        b_may_go.set_result(None)
+        rs = await task_b
+        assert [r.status for r in rs] == [StoreStatus.NOT_STORED] * 2, [r.message for r in rs]
+        assert all("evicted before this Store could answer" in r.message for r in rs)
+        assert all(r.deadline == 0 for r in rs)
+        assert cache.audit() == []
+        ns = {n["namespace_id"]: n for n in cache.namespace_stats()}
+        assert all(n["retained_bytes"] == 0 for n in ns.values())
+        await restore_works(b, [0, 1])
+        assert cache.audit() == []
+        pool_a.close()
+        pool_b.close()
+
+
 async def test_a_store_cancelled_while_waiting_for_the_write_queue_rolls_back_and_spills_go_on(tmp_path):
     """Scenario: the host tier (4 blocks) is full of blocks 0-3; the one writer is stuck in a
     slow disk write and the queue (depth 1) is full, so a Store of 4-6, which evicts 1-3 (a

@@ -140,6 +140,10 @@ class StorePath:
             if e is None or not e.ready:
                 results.set(i, StoreStatus.NOT_STORED,
                             message="a concurrent Store of this block did not complete (cancelled or failed): store it again")
+            elif blocks.get(hs[i]) is not e:  # committed, then evicted (no disk copy) before this call woke up
+                results.set(i, StoreStatus.NOT_STORED,
+                            message="a concurrent Store stored this block, but it was evicted before this Store "
+                                    "could answer: store it again")
             else:
                 stored.append((i, e))
         await self._answer_already_stored(stored, ttl, now, results)
