@@ -20,10 +20,13 @@ from tests.corekit import BLOCK, engine_on, h, small_config, started_cache
 from tests.test_store_cancellation import Gate, cancelled, until
 
 
-@pytest.fixture
-def parts_of_two(monkeypatch):
+@pytest.fixture(params=[False, True], ids=["bookkeeping-beside-copies", "enqueue-first"])
+def parts_of_two(monkeypatch, request):
+    """Loads in parts of two blocks; each test runs with and without pipeline.LOAD_ENQUEUE_FIRST
+    (bookkeeping only once the part just handed over is queued)."""
     monkeypatch.setattr(pipeline_mod, "PIPELINE_BLOCKS", 2)
     monkeypatch.setattr(pipeline_mod, "PIPELINE_FIRST", 2)
+    monkeypatch.setattr(pipeline_mod, "LOAD_ENQUEUE_FIRST", request.param)
 
 
 @pytest.fixture

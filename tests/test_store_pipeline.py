@@ -34,11 +34,13 @@ from tests.test_store_cancellation import cancelled, gated_gather, restore_works
 _chunk_parts: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("chunk_parts", default=None)
 
 
-@pytest.fixture
-def parts_of(monkeypatch):
+@pytest.fixture(params=[True, False], ids=["enqueue-first", "plan-beside-copies"])
+def parts_of(monkeypatch, request):
     """Set the part size; returns the sizes of the parts planned so far (one list for the test).
     `parts_of.per_chunk`: how many parts each chunk stored was planned in (per task: concurrent
-    Stores do not mix their counts)."""
+    Stores do not mix their counts). Each test runs with pipeline.ENQUEUE_FIRST on (the default: the
+    next part planned once the copy just handed over is queued) and off."""
+    monkeypatch.setattr(pipeline_mod, "ENQUEUE_FIRST", request.param)
     planned: list[int] = []
     per_chunk: list[int] = []
     real, real_chunk = cache_mod.BlockCache._host_room, cache_mod.BlockCache._store_chunk

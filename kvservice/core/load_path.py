@@ -119,7 +119,7 @@ class LoadPath:
                 copy, enq = pipeline.copy_call(s.memory, "scatter_from", loop)
                 jobs.append((loop.run_in_executor(self._copy_pool, copy, bids[lo:hi], t.host.arena, slots[lo:hi]),
                              lo, hi))
-                if enq is not None:  # any bookkeeping once this copy is queued (or over): pipeline.ENQUEUE_FIRST
+                if enq is not None:  # any bookkeeping once this copy is queued (or over): pipeline.LOAD_ENQUEUE_FIRST
                     await asyncio.wait((enq, jobs[-1][0]), return_when=asyncio.FIRST_COMPLETED)
                 if hi >= n:  # beside the last copies: head newest, as one chain (a failed copy leaves it
                     t.host.touch(found)  # refreshed, which is harmless)

@@ -23,12 +23,14 @@ from kvservice.core.types import LoadResults, StoreResults
 PIPELINE_BLOCKS = max(1, int(os.environ.get("KVTUNE_STORE_PART_BLOCKS", "2048")))
 PIPELINE_FIRST = 256  # the first part: the first copy starts after a short plan; parts double from it
 PIPELINE_DEPTH = max(1, int(os.environ.get("KVTUNE_COPY_DEPTH", "2")))  # an A/B, as the part size
-# ENQUEUE_FIRST (KVTUNE_COPY_ENQUEUE_FIRST=0 turns it off for an A/B): a Store plans its next part, and
-# a Load does a part's bookkeeping, only once the copy thread has queued the part just handed to it on
-# the device (a copy memory that signals it: SIGNALS_ENQUEUED). The loop's long GIL holds would slow
+# ENQUEUE_FIRST (KVTUNE_COPY_ENQUEUE_FIRST=0 turns it off for an A/B): a Store plans its next part
+# only once the copy thread has queued the part just handed to it on the device (a copy memory that signals it: SIGNALS_ENQUEUED). The loop's long GIL holds would slow
 # that thread's launches (each waits up to the switch interval for the GIL) and the device would run
 # dry. H100, 2 GiB Stores, 64-region layout: 256 KiB blocks 0.52 -> 0.63 x D2H, 64 KiB 0.24 -> 0.29.
 ENQUEUE_FIRST = os.environ.get("KVTUNE_COPY_ENQUEUE_FIRST", "1") == "1"
+# The same for a Load in parts (KVTUNE_LOAD_ENQUEUE_FIRST=1): off until measured on a GPU host (its
+# bookkeeping between parts is short; the Store's measured gain does not carry over by itself).
+LOAD_ENQUEUE_FIRST = os.environ.get("KVTUNE_LOAD_ENQUEUE_FIRST", "0") == "1"
 
 
 def when_copy_ends(fut: asyncio.Future, fn: Callable[[], object]) -> None:
@@ -59,11 +61,13 @@ def parts(n: int) -> list[tuple[int, int]]:
 
 def copy_call(memory: object, method: str, loop: asyncio.AbstractEventLoop, wanted: bool = True
               ) -> tuple[Callable, asyncio.Future | None]:
-    """The copy job to run in a copy thread (memory.<method>) and, under ENQUEUE_FIRST when wanted
-    and the memory signals it, a future of `loop` that completes once that copy is queued on the
-    device: the caller awaits it (or the job's end) before its next bookkeeping."""
+    """The copy job to run in a copy thread (memory.<method>: gather_into for a Store, scatter_from
+    for a Load) and, when its ENQUEUE_FIRST flag is on, wanted and the memory signals it, a future of
+    `loop` that completes once that copy is queued on the device: the caller awaits it (or the job's
+    end) before its next bookkeeping."""
     fn = getattr(memory, method)
-    if not (ENQUEUE_FIRST and wanted and getattr(memory, "SIGNALS_ENQUEUED", False)):
+    on = ENQUEUE_FIRST if method == "gather_into" else LOAD_ENQUEUE_FIRST
+    if not (on and wanted and getattr(memory, "SIGNALS_ENQUEUED", False)):
         return fn, None
     fut, signal = enqueued_signal(loop)
     return functools.partial(fn, enqueued=signal), fut
