@@ -35,8 +35,9 @@ if [[ $what == all || $what == bench ]]; then
 fi
 if [[ $what == all || $what == tests ]]; then
   echo "== GPU tests"
-  timeout 300 python3 -m pytest -m gpu -v -rA -s -p no:cacheprovider --continue-on-collection-errors \
-    tests/test_gpu.py tests/test_io_backend.py tests/test_block_file.py || rc=$?
+  # every GPU-marked test of the suite; modules whose imports the GPU image lacks (openai, jsonschema: the
+  # HTTP API and deployment tests, CPU-only anyway) fail to collect and are reported, not fatal
+  timeout 300 python3 -m pytest -m gpu -v -rA -s -p no:cacheprovider --continue-on-collection-errors tests/ || rc=$?
 fi
 echo "== done rc=$rc"
 exit $rc
