@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One device call that measures what the open issues need, in phases, each under its own time limit, so
+# that one failing phase costs the others nothing. Few files come back from a device call (about 8):
+# every phase appends its table to $OUT/summary.md and its raw output to $OUT/details/, which is packed
+# into $OUT/details.tgz at the end (the loose files are removed).
+#   bash scripts/device_session.sh [PHASES]       (carry .whl; PHASES comma-separated, default below)
+# Phases (seconds of wall time each, at most):
+#   tests      every GPU-marked test of the suite (modules the GPU image cannot import are reported, not fatal)  240
+#   bw         bench/gpu_bandwidth.py host part, 2 and 4 GiB batches, 2 MiB / 256 KiB / 64 KiB blocks        150
+#   loadab     the same at 2 GiB with KVTUNE_LOAD_ENQUEUE_FIRST=1 (Loads in parts: copies queued first)     75
+#   profile    the copy path alone at 2 MiB under torch.profiler (the 2 MiB Store's GPU timeline)          120
+#   lookup     bench/lookup_latency.py (the 1024-hash Lookup line)                                          60
+#   disk       scripts/device_disk_probe.sh (raw sweep, DiskStore alone, daemon always / clean / restarted)  300
+#   e2e        scripts/device_e2e.sh diskboth (issue 14's disk line on this tree)                            300
+# Run the phases that fit one call's 600 s (default: tests,bw,loadab,lookup ~ 8 min at most).
+# Run it from a snapshot of a commit so the live working tree's edits do not travel:
+#   rm -rf .lead/tree && mkdir -p .lead/tree && git archive HEAD | tar -x -C .lead/tree
+#   then: cd .lead/tree && WHL_DIR=$OLDPWD/.whl bash scripts/device_session.sh   (carry .whl and .lead)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kvservice-device-out}
+D=$OUT/details
+mkdir -p "$D"
+PHASES=${1:-tests,bw,loadab,lookup}
+source scripts/device_env.sh
+export PATH=/tmp/site/bin:$PATH NCCL_NVLS_ENABLE=0
+S=$OUT/summary.md
+T0=$(date +%s)
+say() { echo "$*" | tee -a "$S"; }
+say "# device session $(date -u +%FT%TZ), tree $(git rev-parse --short HEAD 2>/dev/null || echo archive), phases $PHASES"
+say "$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || echo 'no nvidia-smi')"
+BW=(python3 bench/gpu_bandwidth.py --layouts layer-first --reps 3 --skip datapath,disk --sizes 2048,256,64)
+phase() {  # phase NAME LIMIT CMD...: run, keep its output, append its table lines to the summary
+  local name=$1 limit=$2; shift 2
+  say ""; say "## $name (+$(( $(date +%s) - T0 )) s)"
+  timeout "$limit" "$@" > "$D/$name.log" 2>&1
+  local rc=$?
+  grep -E '^\||^pinned|^  host|passed|failed|skipped|error|MISSED|held|^raw limits' "$D/$name.log" | grep -v '^{' >> "$S"
+  [[ $rc != 0 ]] && tail -n 3 "$D/$name.log" >> "$S"
+  say "(rc $rc, +$(( $(date +%s) - T0 )) s)"
+}
+for p in ${PHASES//,/ }; do
+  case $p in
+    tests) phase tests 240 python3 -m pytest -m gpu -q -rA -p no:cacheprovider --continue-on-collection-errors tests/ ;;
+    bw) phase bw 150 "${BW[@]}" --batch-mib 2048,4096 --out "$D/bw.json" ;;
+    loadab) phase loadab 75 env KVTUNE_LOAD_ENQUEUE_FIRST=1 "${BW[@]}" --batch-mib 2048 ;;
+    profile) phase profile 120 python3 bench/gpu_bandwidth.py --layouts layer-first --reps 3 --skip host,disk \
+               --sizes 2048 --batch-mib 2048 --profile "$D/prof" ;;
+    lookup) phase lookup 60 python3 bench/lookup_latency.py --iters 2000 ;;
+    disk) phase disk 300 env OUT="$D" bash scripts/device_disk_probe.sh
+          [[ -f $D/probe/ratios.md ]] && cat "$D/probe/ratios.md" >> "$S" ;;
+    e2e) phase e2e 300 env OUT="$D" bash scripts/device_e2e.sh diskboth
+         [[ -f $D/pool.md ]] && cat "$D/pool.md" >> "$S" ;;
+    *) say "unknown phase $p" ;;
+  esac
+done
+tar czf "$OUT/details.tgz" -C "$OUT" details && rm -rf "$D"
+say ""; say "done at +$(( $(date +%s) - T0 )) s"
