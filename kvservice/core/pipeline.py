@@ -24,9 +24,10 @@ PIPELINE_BLOCKS = max(1, int(os.environ.get("KVTUNE_STORE_PART_BLOCKS", "2048"))
 PIPELINE_FIRST = 256  # the first part: the first copy starts after a short plan; parts double from it
 PIPELINE_DEPTH = max(1, int(os.environ.get("KVTUNE_COPY_DEPTH", "2")))  # an A/B, as the part size
 # ENQUEUE_FIRST (KVTUNE_COPY_ENQUEUE_FIRST=0 turns it off for an A/B): a Store plans its next part
-# only once the copy thread has queued the part just handed to it on the device (a copy memory that signals it: SIGNALS_ENQUEUED). The loop's long GIL holds would slow
-# that thread's launches (each waits up to the switch interval for the GIL) and the device would run
-# dry. H100, 2 GiB Stores, 64-region layout: 256 KiB blocks 0.52 -> 0.63 x D2H, 64 KiB 0.24 -> 0.29.
+# only once the copy thread has queued the part just handed to it on the device (a copy memory that
+# signals it: SIGNALS_ENQUEUED). The loop's long GIL holds would slow that thread's launches (each
+# waits up to the switch interval for the GIL) and the device would run dry. H100, 2 GiB Stores,
+# 64-region layout: 256 KiB blocks 0.52 -> 0.63 x D2H, 64 KiB 0.24 -> 0.29 (BENCHMARKS.md).
 ENQUEUE_FIRST = os.environ.get("KVTUNE_COPY_ENQUEUE_FIRST", "1") == "1"
 # The same for a Load in parts (KVTUNE_LOAD_ENQUEUE_FIRST=1): off until measured on a GPU host (its
 # bookkeeping between parts is short; the Store's measured gain does not carry over by itself).
