@@ -328,8 +328,9 @@ def test_a_stalled_daemon_answers_as_an_empty_cache_after_the_timeout(daemon, po
             submitted = client.submit_lookup(hashes)
             t0 = time.monotonic()
             assert client.lookup(hashes) == (0, [])
-            assert 0.9 < time.monotonic() - t0 < 5
-            assert submitted.result(5) == (0, [])
+            # not before the 1 s timeout; the upper bound only says "does not hang" (a loaded CI box is slow)
+            assert 0.9 < time.monotonic() - t0 < 30
+            assert submitted.result(30) == (0, [])
             assert not client.attached
         finally:
             daemon.proc.send_signal(signal.SIGCONT)
