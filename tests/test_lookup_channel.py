@@ -248,7 +248,7 @@ async def test_async_client_asks_the_channel_too(daemon, pool):
             assert client._lookup_channel._conn is None  # dropped: its late answer is nobody's
             t0 = time.monotonic()
             assert await client.lookup(chain) == (0, [])  # past the timeout: an empty cache's answer
-            assert 0.9 < time.monotonic() - t0 < 5 and not client.attached
+            assert 0.9 < time.monotonic() - t0 < 30 and not client.attached  # after the 1 s timeout; not hung
         finally:
             daemon.proc.send_signal(signal.SIGCONT)
         for _ in range(3000):
@@ -302,7 +302,8 @@ def test_a_cancelled_submit_lookup_on_the_channel_stays_quiet(daemon, pool, capl
             with caplog.at_level(logging.DEBUG):
                 t0 = time.monotonic()
                 late = [client.submit_lookup(hashes) for _ in range(6)]  # 6 x 32 KiB: more than the pipeline takes
-                assert time.monotonic() - t0 < 0.5 and not any(f.done() for f in late)
+                # at once, not after the client's 30 s timeout (the bound leaves room for a loaded CI box)
+                assert time.monotonic() - t0 < 5 and not any(f.done() for f in late)
                 assert all(f.cancel() for f in late)
         finally:
             daemon.proc.send_signal(signal.SIGCONT)
