@@ -29,13 +29,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from engine_client import KVClient, Namespace, ShmKVPool  # noqa: E402
 from harness.daemon import Daemon, free_tcp_port  # noqa: E402
 from kvwire.v1 import admin_pb2, admin_pb2_grpc  # noqa: E402
+from lookup_latency import pct  # noqa: E402  (bench/ is this script's directory)
 
 BATCH = 4096
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def timed(fn, calls: int) -> list[float]:

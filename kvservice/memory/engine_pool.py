@@ -7,7 +7,7 @@ engine_memory (shm) and cuda_memory (CUDA) both import this; neither imports the
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -25,13 +25,19 @@ class EngineMemory(Protocol):
 
     def gather_with_checksums(self, block_ids: Sequence[int]) -> tuple[Sequence[torch.Tensor], list[int]]: ...
 
-    def gather_into(self, block_ids: Sequence[int], arena: HostArena, offsets: Sequence[int]) -> list[int]: ...
+    # gather_into / scatter_from call enqueued() once their copies are queued (before the wait for them) when
+    # the memory sets SIGNALS_ENQUEUED (kvservice.core.pipeline.copy_call passes it only then)
+    SIGNALS_ENQUEUED: bool
+
+    def gather_into(self, block_ids: Sequence[int], arena: HostArena, offsets: Sequence[int],
+                    enqueued: Callable[[], None] | None = None) -> list[int]: ...
 
     def alloc_host(self, n: int) -> Sequence[torch.Tensor | None]: ...
 
     def scatter(self, block_ids: Sequence[int], srcs: Sequence[torch.Tensor]) -> None: ...
 
-    def scatter_from(self, block_ids: Sequence[int], arena: HostArena, offsets: Sequence[int]) -> None: ...
+    def scatter_from(self, block_ids: Sequence[int], arena: HostArena, offsets: Sequence[int],
+                     enqueued: Callable[[], None] | None = None) -> None: ...
 
     def close(self) -> None: ...
 
