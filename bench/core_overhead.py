@@ -94,9 +94,18 @@ async def measure(block_bytes: int, batch: int, rounds: int, tmp: str, dma_gbps:
         return check
 
     real_gather, real_scatter = mem.gather_into, mem.scatter_from
+
+    def stand_in(copy):  # a stand-in copy as the memory's own: it signals `enqueued` (SIGNALS_ENQUEUED)
+        def call(block_ids, arena, offsets, enqueued=None):
+            if enqueued is not None:
+                enqueued()
+            return copy(block_ids)
+        return call
+
+    noop_gather = stand_in(lambda ids: [0] * len(ids))
+    noop_scatter = stand_in(lambda ids: None)
     if not copies:  # --no-copies: the real copies' rows are left out (nan)
-        mem.gather_into = lambda block_ids, arena, offsets: [0] * len(block_ids)
-        mem.scatter_from = lambda block_ids, arena, offsets: None
+        mem.gather_into, mem.scatter_from = noop_gather, noop_scatter
     for _ in range(3):  # warm up: the arena's segments, the copy threads
         await cache.store(sid, new_batch(), ids)
     if copies:
@@ -121,8 +130,7 @@ async def measure(block_bytes: int, batch: int, rounds: int, tmp: str, dma_gbps:
     clock.advance(2.0)
     cache.reap_sessions()
     # the core alone: the same calls with no-op copies
-    mem.gather_into = lambda block_ids, arena, offsets: [0] * len(block_ids)
-    mem.scatter_from = lambda block_ids, arena, offsets: None
+    mem.gather_into, mem.scatter_from = noop_gather, noop_scatter
     await timed("store_core", new_batch, lambda hs: cache.store(sid, hs, ids), all_ok(1))
     await timed("load_core", lambda: last[0], lambda hs: cache.load(sid, hs, ids), all_ok(1))
 
@@ -132,8 +140,8 @@ async def measure(block_bytes: int, batch: int, rounds: int, tmp: str, dma_gbps:
         with engine:
             time.sleep(n * block_bytes / (dma_gbps * 1e9))
 
-    mem.gather_into = lambda block_ids, arena, offsets: (dma(len(block_ids), d2h), [0] * len(block_ids))[1]
-    mem.scatter_from = lambda block_ids, arena, offsets: dma(len(block_ids), h2d)
+    mem.gather_into = stand_in(lambda ids: (dma(len(ids), d2h), [0] * len(ids))[1])
+    mem.scatter_from = stand_in(lambda ids: dma(len(ids), h2d))
     await timed("store_dma", new_batch, lambda hs: cache.store(sid, hs, ids), all_ok(1))
     await timed("load_dma", lambda: last[0], lambda hs: cache.load(sid, hs, ids), all_ok(1))
     loop_time["dma"] = batch * block_bytes / (dma_gbps * 1e9)
