@@ -153,7 +153,7 @@ def frames_call(sock: socket.socket, payload: bytes) -> Callable[[], None]:
 
     def call() -> None:
         sock.sendall(data)
-        reply = kvcache_pb2.LookupChannelReply.FromString(read_frame(sock))
+        reply = kvcache_pb2.ChannelReply.FromString(read_frame(sock))
         assert not reply.code, reply.message
     return call
 

@@ -14,9 +14,9 @@ is called `--iters` times, interleaved in `--rounds` rounds (a busy box's noise 
           split    BlockCache._hashes: the packed field into one bytes object per hash
           probe    BlockIndex.prefix_tiers on those hashes (fresh objects each call: hashing included)
           lookup   BlockCache.lookup of the packed field (session, split, probe)
-          reply    the LookupChannelReply frame from the tiers (convert.lookup_channel_reply)
+          reply    the ChannelReply frame from the tiers (convert.lookup_channel_reply)
           answer   LookupChannel.answer(payload) serialized and framed: the daemon's whole part
-  client  decode   LookupChannelReply.FromString and lookup_channel_answer: what KVClient.lookup returns
+  client  decode   ChannelReply.FromString and lookup_channel_answer: what KVClient.lookup returns
 
 Prints a Markdown table of p50 / p99 in microseconds. For A/B, run it from each tree in turn.
 """
@@ -119,12 +119,12 @@ def main() -> None:
                     ("server: probe (split + BlockIndex.prefix_tiers)",
                      lambda: index.prefix_tiers(ns, cache._hashes(packed))),
                     ("server: BlockCache.lookup", lambda: cache.lookup(sid, packed)),
-                    ("server: reply (LookupChannelReply frame from the tiers)",
+                    ("server: reply (ChannelReply frame from the tiers)",
                      lambda: frame(convert.lookup_channel_reply(tiers).SerializeToString())),
                     ("server: all (LookupChannel.answer, serialized, framed)",
                      lambda: frame(channel.answer(uid, payload).SerializeToString())),
                     ("client: decode (FromString, lookup_channel_answer)",
-                     lambda: lookup_channel_answer(kvcache_pb2.LookupChannelReply.FromString(reply), N)),
+                     lambda: lookup_channel_answer(kvcache_pb2.ChannelReply.FromString(reply), N)),
                 ]
                 assert channel.answer(uid, payload).prefix_blocks == N
                 times: list[list[float]] = [[] for _ in parts]

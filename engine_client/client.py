@@ -43,12 +43,18 @@ from engine_client.lookup_channel import AsyncLookupChannel, ChannelDown
 from engine_client.namespace import Namespace
 from engine_client.registration import register, unix_socket_path
 from engine_client.results import LoadResults, PrefetchStatuses, StoreResults
+from kvwire.lookup_frames import MAX_REPLY_BYTES
 from kvwire.v1 import kvcache_pb2, kvcache_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 UNREACHABLE = "daemon unreachable"
 UNANSWERED: tuple[int, list[int]] = (0, [])  # a Lookup the client detached on (compared by identity)
+UNANSWERED_REPLY = kvcache_pb2.ChannelReply()  # a frames-channel call the client detached on (by identity)
+_CHANNEL_CALLS = {"Store": kvcache_pb2.STORE, "Load": kvcache_pb2.LOAD}  # what else goes on the frames channel
+# A Store or Load answer on the frames channel: a status (and deadline or tier) a block, plus the messages
+# of the exceptions; the largest valid batch's answer with a message for every block stays far under it.
+MAX_DATA_REPLY_BYTES = 256 << 20
 
 _CHANNEL_OPTIONS = (
     # gRPC's default reconnect backoff grows to 120 s; a restarted daemon must be found in seconds.
@@ -373,10 +379,8 @@ class AsyncKVClient:
             take(reply)
             done = hi
 
-    async def _channel_lookup(self, session: _Session, request: kvcache_pb2.LookupRequest, asked: int
-                              ) -> tuple[int, list[int]] | None:
-        """One Lookup on the daemon's Lookup channel; None: use gRPC; UNANSWERED: detached (an
-        empty cache's answer), as gRPC's detaching codes."""
+    def _frames_channel(self, session: _Session) -> AsyncLookupChannel | None:
+        """The daemon's frames channel for this session's calls, or None: use gRPC."""
         path = session.lookup_socket
         if not self._use_lookup_channel or not path:
             return None
@@ -385,40 +389,70 @@ class AsyncKVClient:
             if channel is not None:
                 channel.close()
             channel = self._lookup_channel = AsyncLookupChannel(path, self._timeout)
-        if not channel.usable:
+        return channel if channel.usable else None
+
+    async def _channel_lookup(self, session: _Session, request: kvcache_pb2.LookupRequest, asked: int
+                              ) -> tuple[int, list[int]] | None:
+        """One Lookup on the daemon's frames channel; None: use gRPC; UNANSWERED: detached (an
+        empty cache's answer), as gRPC's detaching codes."""
+        got = await self._channel_call("Lookup", request.SerializeToString(), session)
+        if got is None:
+            return None
+        if got is UNANSWERED_REPLY:
+            return UNANSWERED
+        return lookup_channel_answer(got, asked)
+
+    async def _channel_call(self, rpc: str, request: bytes, session: _Session, limit: int = MAX_REPLY_BYTES
+                            ) -> kvcache_pb2.ChannelReply | None:
+        """One call on the frames channel: its answer; None: use gRPC (no channel, or it cannot answer);
+        UNANSWERED_REPLY: detached, as on gRPC's detaching codes (a Load that timed out closes the
+        session first, as _call does). A refusal that does not detach raises, as gRPC's would."""
+        channel = self._frames_channel(session)
+        if channel is None:
             return None
         try:
-            got = await channel.call(request.SerializeToString())
+            got = await channel.call(request, limit)
         except ChannelDown:
             return None
         except TimeoutError:
-            self._detach(session, "Lookup", grpc.StatusCode.DEADLINE_EXCEEDED,
-                         f"no answer on the Lookup channel within {self._timeout:g} s")
-            return UNANSWERED
+            await self._detached_by(session, rpc, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"no answer on the frames channel within {self._timeout:g} s")
+            return UNANSWERED_REPLY
         if got.code:
             code = grpc.StatusCode.__members__.get(got.code, grpc.StatusCode.UNKNOWN)
             if code in DETACHING_CODES:
-                self._detach(session, "Lookup", code, got.message)
-                return UNANSWERED
+                await self._detached_by(session, rpc, code, got.message)
+                return UNANSWERED_REPLY
             raise KVClientError(code, got.message or code.name)
-        return lookup_channel_answer(got, asked)
+        return got
 
     async def _call(self, rpc: str, request: Any, session: _Session) -> Any | None:
-        """Send one data RPC; None when the daemon is unreachable (and the client detaches)."""
+        """Send one data call (on the frames channel when the session has one: Store and Load; else
+        gRPC); None when the daemon is unreachable (and the client detaches)."""
         assert self._stub is not None
+        if rpc in _CHANNEL_CALLS and self._use_lookup_channel and session.lookup_socket:
+            got = await self._channel_call(rpc, _channel_request(rpc, request), session, MAX_DATA_REPLY_BYTES)
+            if got is UNANSWERED_REPLY:
+                return None
+            if got is not None:
+                return got.store if rpc == "Store" else got.load
         try:
             return await getattr(self._stub, rpc)(request, timeout=self._timeout)
         except grpc.aio.AioRpcError as err:
             if err.code() in DETACHING_CODES:
-                self._detach(session, rpc, err.code(), err.details())
-                if rpc == "Load" and err.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
-                    # The daemon may still be copying into these blocks. CloseSession returns only
-                    # once no copy into this pool is in flight, so after it the engine may reuse them.
-                    await self._close_session_quietly(session.session_id)
-                    if self._stale_session_id == session.session_id:
-                        self._stale_session_id = ""
+                await self._detached_by(session, rpc, err.code(), err.details())
                 return None
             raise from_rpc_error(err) from None
+
+    async def _detached_by(self, session: _Session, rpc: str, code: grpc.StatusCode, details: str | None) -> None:
+        """A data call failed with a detaching code: detach. A Load that timed out or was cancelled
+        may still have the daemon copying into its blocks: CloseSession returns only once no copy
+        into this pool is in flight, so after it the engine may reuse them."""
+        self._detach(session, rpc, code, details)
+        if rpc == "Load" and code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+            await self._close_session_quietly(session.session_id)
+            if self._stale_session_id == session.session_id:
+                self._stale_session_id = ""
 
     # --- internals: session upkeep
     async def _wait_ready(self) -> None:
@@ -593,7 +627,7 @@ def lookup_answer(reply: kvcache_pb2.LookupReply, asked: int) -> tuple[int, list
     return got, list(reply.tiers)
 
 
-def lookup_channel_answer(reply: kvcache_pb2.LookupChannelReply, asked: int) -> tuple[int, list[int]]:
+def lookup_channel_answer(reply: kvcache_pb2.ChannelReply, asked: int) -> tuple[int, list[int]]:
     """The same for an answer of the Lookup channel (its tiers one byte each)."""
     got = reply.prefix_blocks
     if got > asked or len(reply.tiers) != got:
@@ -621,3 +655,16 @@ def _pack_refs(hashes: Sequence[bytes], block_ids: Sequence[int]) -> tuple[bytes
         raise KVClientError(grpc.StatusCode.INVALID_ARGUMENT,
                             f"{len(hashes)} hashes but {len(block_ids)} block ids")
     return _pack(hashes), list(block_ids)
+
+
+def _channel_request(rpc: str, request: kvcache_pb2.StoreRequest | kvcache_pb2.LoadRequest) -> bytes:
+    """A Store or Load request as the frames channel's ChannelRequest, serialized."""
+    if rpc == "Store":
+        return kvcache_pb2.ChannelRequest(
+            call=kvcache_pb2.STORE, session_id=request.session_id, namespace_id=request.namespace_id,
+            hashes=request.hashes, block_ids=request.block_ids, ttl_seconds=request.ttl_seconds).SerializeToString()
+    # a LoadRequest's fields have the ChannelRequest's numbers: its bytes plus the call field are one
+    return request.SerializeToString() + _LOAD_CALL
+
+
+_LOAD_CALL = kvcache_pb2.ChannelRequest(call=kvcache_pb2.LOAD).SerializeToString()

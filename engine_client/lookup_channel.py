@@ -1,7 +1,7 @@
 """The engine's side of the Lookup channel: Lookup as frames on a plain Unix socket, no gRPC.
 
     channel = LookupChannel(path, timeout)     # path: OpenSessionReply.lookup_socket
-    reply = channel.call(framed)               # a framed LookupRequest -> LookupChannelReply; blocking
+    reply = channel.call(framed)               # a framed LookupRequest -> ChannelReply; blocking
     channel.pipeline().send(framed, on_answer)  # the same, not blocking: on_answer(reply, failure)
     channel.close()                            # on the pipeline's reader thread
 
@@ -50,6 +50,7 @@ from kvwire.v1 import kvcache_pb2
 
 DOWN_SECONDS = 1.0
 MAX_CONNECTIONS = 4  # blocking callers' connections per channel (plus the pipeline's one)
+MAX_ASYNC_CONNECTIONS = 8  # AsyncLookupChannel's: calls in flight at once on the channel (more go over gRPC)
 # Bytes of submitted requests not answered yet, per pipeline: under any Unix socket's send buffer
 # (>= 208 KiB on Linux), so a caller's write never blocks, even when the daemon has stalled.
 MAX_UNANSWERED_BYTES = 96 << 10
@@ -79,9 +80,9 @@ class LookupChannel:
         """Worth trying now: not closed, and no fresh connection failed in the last DOWN_SECONDS."""
         return not self._closed and time.monotonic() >= self._down_until
 
-    def call(self, framed: bytes) -> kvcache_pb2.LookupChannelReply:
+    def call(self, framed: bytes) -> kvcache_pb2.ChannelReply:
         """Send one LookupRequest, serialized and framed (kvwire.lookup_frames.request_frame, or
-        frame(request.SerializeToString())); the daemon's LookupChannelReply."""
+        frame(request.SerializeToString())); the daemon's ChannelReply."""
         if self._closed:
             raise ChannelDown("the Lookup channel is closed")
         try:
@@ -102,10 +103,10 @@ class LookupChannel:
                 self._down_until = time.monotonic() + DOWN_SECONDS
                 raise
         try:
-            reply = kvcache_pb2.LookupChannelReply.FromString(payload)
+            reply = kvcache_pb2.ChannelReply.FromString(payload)
         except DecodeError:
             self._close_one(sock)
-            raise ChannelDown("the Lookup channel answered something that is not a LookupChannelReply") from None
+            raise ChannelDown("the Lookup channel answered something that is not a ChannelReply") from None
         if self._closed:
             self._close_one(sock)
         else:
@@ -187,7 +188,7 @@ class LookupChannel:
                 return
 
 
-OnAnswer = Callable[["kvcache_pb2.LookupChannelReply | None", str], None]
+OnAnswer = Callable[["kvcache_pb2.ChannelReply | None", str], None]
 
 
 @dataclass(slots=True)
@@ -279,7 +280,7 @@ class LookupPipeline:
                         p = self._pending.popleft()
                         self._unanswered -= p.size
                     try:
-                        reply = kvcache_pb2.LookupChannelReply.FromString(payload)
+                        reply = kvcache_pb2.ChannelReply.FromString(payload)
                     except DecodeError:
                         _tell([p], BROKEN)
                         return
@@ -297,16 +298,19 @@ def _tell(failed: list[_Pending], why: str) -> None:
 
 
 class AsyncLookupChannel:
-    """The channel for AsyncKVClient: one connection in its event loop, one request at a time
-    (the daemon answers them in turn anyway). Same failure contract as LookupChannel.call: ChannelDown
-    (use gRPC), TimeoutError (the daemon hangs). A call cancelled mid-round-trip drops the
-    connection (its answer would be read by the next call otherwise)."""
+    """The channel for AsyncKVClient, in its event loop: Lookup, Store and Load as frames, one call in
+    flight per connection (the daemon answers a connection's calls in turn), up to
+    MAX_ASYNC_CONNECTIONS at once; a call beyond them is told ChannelDown (use gRPC) without marking
+    the channel down. Same failure contract as LookupChannel.call: ChannelDown (use gRPC),
+    TimeoutError (the daemon hangs). A call that times out or is cancelled mid-round-trip drops its
+    connection: its answer would be read by the next call otherwise, and the daemon cancels a Store
+    or Load whose connection closed, as it does a cancelled gRPC call."""
 
     def __init__(self, path: str, timeout: float) -> None:
         self.path = path
         self._timeout = timeout
-        self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
-        self._lock: asyncio.Lock | None = None
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self._open = 0  # connections, idle or carrying a call
         self._down_until = 0.0
         self._closed = False
 
@@ -314,34 +318,40 @@ class AsyncLookupChannel:
     def usable(self) -> bool:
         return not self._closed and time.monotonic() >= self._down_until
 
-    async def call(self, request: bytes) -> kvcache_pb2.LookupChannelReply:
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        async with self._lock:
-            reused = self._conn is not None
-            try:
-                payload = await self._round_trip(request)
-            except ChannelDown:
-                if reused:  # a restart broke the old connection: one fresh try
-                    try:
-                        payload = await self._round_trip(request)
-                    except ChannelDown:
-                        self._down_until = time.monotonic() + DOWN_SECONDS
-                        raise
-                else:
-                    self._down_until = time.monotonic() + DOWN_SECONDS
-                    raise
+    async def call(self, request: bytes, limit: int = MAX_REPLY_BYTES) -> kvcache_pb2.ChannelReply:
+        """Send one ChannelRequest (serialized, not framed); its ChannelReply (`limit`: the largest
+        answer accepted, in bytes)."""
+        if self._closed:
+            raise ChannelDown("the frames channel is closed")
+        reused = bool(self._idle)
         try:
-            return kvcache_pb2.LookupChannelReply.FromString(payload)
+            payload = await self._round_trip(request, limit)
+        except _Busy:
+            raise
+        except ChannelDown:
+            if not reused:
+                self._down_until = time.monotonic() + DOWN_SECONDS
+                raise
+            self._drop_idle()  # connections of the same daemon life: a restart broke them all
+            try:  # one fresh try
+                payload = await self._round_trip(request, limit)
+            except _Busy:
+                raise
+            except ChannelDown:
+                self._down_until = time.monotonic() + DOWN_SECONDS
+                raise
+        try:
+            return kvcache_pb2.ChannelReply.FromString(payload)
         except DecodeError:
-            self._drop()
-            raise ChannelDown("the Lookup channel answered something that is not a LookupChannelReply") from None
+            raise ChannelDown("the frames channel answered something that is not a ChannelReply") from None
 
     def close(self) -> None:
         self._closed = True
-        self._drop()
+        self._drop_idle()
 
-    async def _round_trip(self, request: bytes) -> bytes:
+    async def _round_trip(self, request: bytes, limit: int) -> bytes:
+        """One request on an idle connection (or a new one); the connection goes back to the idle
+        ones only after a whole answer."""
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None
@@ -350,37 +360,56 @@ class AsyncLookupChannel:
         def expire() -> None:
             fired[0] = True
             task.cancel()
+        conn = self._idle.pop() if self._idle else None
+        if conn is None:
+            if self._open >= MAX_ASYNC_CONNECTIONS:
+                raise _Busy(f"{MAX_ASYNC_CONNECTIONS} frames channel connections carry calls")
+            self._open += 1
         timer = loop.call_later(self._timeout, expire)  # asyncio.timeout() without needing 3.11
-        ok = False
         try:
-            if self._conn is None:
+            if conn is None:
                 try:
-                    self._conn = await asyncio.open_unix_connection(self.path)
+                    conn = await asyncio.open_unix_connection(self.path)
                 except OSError as e:
                     raise ChannelDown(f"cannot connect to {self.path}: {e.strerror or e}") from None
-            reader, writer = self._conn
+            reader, writer = conn
             writer.write(frame(request))
             head = await reader.readexactly(HEADER.size)
             (length,) = HEADER.unpack(head)
-            if length > MAX_REPLY_BYTES:
-                raise ChannelDown(f"frame of {length} bytes is longer than {MAX_REPLY_BYTES}")
+            if length > limit:
+                raise ChannelDown(f"frame of {length} bytes is longer than {limit}")
             payload = await reader.readexactly(length) if length else b""
-            ok = True
-            return payload
         except asyncio.CancelledError:
+            self._drop(conn)
             if fired[0]:  # our timer's cancel (delivered at the await it fired during), not the caller's
                 if hasattr(task, "uncancel"):
                     task.uncancel()
-                raise TimeoutError(f"no answer on the Lookup channel within {self._timeout:g} s") from None
+                raise TimeoutError(f"no answer on the frames channel within {self._timeout:g} s") from None
             raise
         except (OSError, asyncio.IncompleteReadError) as e:
-            raise ChannelDown(f"the Lookup channel broke: {e!r}") from None
+            self._drop(conn)
+            raise ChannelDown(f"the frames channel broke: {e!r}") from None
+        except BaseException:
+            self._drop(conn)
+            raise
         finally:
             timer.cancel()
-            if not ok:
-                self._drop()
+        if self._closed:
+            self._drop(conn)
+        else:
+            self._idle.append(conn)
+        return payload
 
-    def _drop(self) -> None:
-        conn, self._conn = self._conn, None
+    def _drop(self, conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None) -> None:
+        self._open -= 1
         if conn is not None:
             conn[1].close()
+
+    def _drop_idle(self) -> None:
+        while self._idle:
+            self._drop(self._idle.pop())
+
+
+class _Busy(ChannelDown):
+    """Every connection the channel may open carries a call: this one goes over gRPC (the channel is
+    not down)."""

@@ -236,7 +236,7 @@ class KVClient:
         out: concurrent.futures.Future[tuple[int, list[int]]] = concurrent.futures.Future()
         n = len(hashes)
 
-        def on_answer(reply: kvcache_pb2.LookupChannelReply | None, failure: str) -> None:  # the reader thread
+        def on_answer(reply: kvcache_pb2.ChannelReply | None, failure: str) -> None:  # the reader thread
             if out.cancelled():  # the engine gave up on it: the answer is dropped, nothing detaches
                 return
             try:

@@ -6,7 +6,7 @@
   request_frame(session_id, hashes)  frame(LookupRequest(session_id=..., hashes=b"".join(hashes))
                                      .SerializeToString()), the same bytes built in one join
 
-The engine sends LookupRequest frames, the daemon answers each with a LookupChannelReply frame,
+The engine sends LookupRequest frames, the daemon answers each with a ChannelReply frame,
 in the order asked (kvservice.v1, proto/kvservice/v1/kvcache.proto). Nothing else travels on it:
 no descriptors, no other call. Why it exists: gRPC Python's own empty unary round trip is
 0.4-0.6 ms, above the 0.3 ms a Lookup of 1024 hashes may take (DESIGN §7); a frame on a Unix
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 LOOKUP_SUFFIX = ".lookup"
 HEADER = struct.Struct("<I")
-MAX_REPLY_BYTES = 1 << 20  # a LookupChannelReply: a byte per looked-up block, or a status message
+MAX_REPLY_BYTES = 1 << 20  # a ChannelReply: a byte per looked-up block, or a status message
 RECV_BYTES = 1 << 16
 HASH_BYTES = 32
 # LookupRequest's field tags (kvservice.v1: session_id = 1, namespace_id = 3, hashes = 4; wire type 2)

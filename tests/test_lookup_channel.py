@@ -68,7 +68,7 @@ def grpc_lookup(d: Daemon, request: kvcache_pb2.LookupRequest) -> tuple[str, str
 def channel_lookup(sock: socket.socket, payload: bytes) -> tuple[str, str, tuple[int, list[int]]]:
     """The same over a raw connection to the Lookup channel."""
     sock.sendall(frame(payload))
-    r = kvcache_pb2.LookupChannelReply.FromString(read_frame(sock))
+    r = kvcache_pb2.ChannelReply.FromString(read_frame(sock))
     return r.code or "OK", r.message, (r.prefix_blocks, list(r.tiers))
 
 
@@ -121,7 +121,7 @@ def test_lookup_channel_answers_what_grpc_lookup_answers_on_random_stored_and_ev
 def test_bad_input_gets_the_status_grpc_lookup_gives(daemon, pool):
     """Scenario: a client sends the channel what it should not. Each malformed request is answered
     with the status and message gRPC Lookup gives the same request, on a connection that keeps
-    serving; a frame longer than the largest valid Lookup is refused and ends that connection;
+    serving; a frame longer than the largest valid request is refused and ends that connection;
     the daemon keeps serving everyone."""
     with KVClient(daemon.target, NS, pool, client_name="victim") as client:
         hashes = client.hasher.hash_blocks(range(16 * 4))
@@ -141,13 +141,13 @@ def test_bad_input_gets_the_status_grpc_lookup_gives(daemon, pool):
                 assert got == grpc_lookup(daemon, req), name
                 assert got[0] != "OK" and got[1], name
             assert channel_lookup(s, b"\xff\xff\xff") == ("INVALID_ARGUMENT",
-                                                          "the frame is not a LookupRequest (kvservice.v1)", (0, []))
+                                                          "the frame is not a ChannelRequest (kvservice.v1)", (0, []))
             ok = kvcache_pb2.LookupRequest(session_id=sid, hashes=b"".join(hashes)).SerializeToString()
             assert channel_lookup(s, ok) == ("OK", "", (4, [HOST] * 4))  # the same connection still serves
         with connect(daemon) as s:
             s.sendall(HEADER.pack(1 << 30))  # announces 1 GiB: refused before it is read
-            r = kvcache_pb2.LookupChannelReply.FromString(read_frame(s))
-            assert r.code == "RESOURCE_EXHAUSTED" and "longer than the largest valid Lookup" in r.message
+            r = kvcache_pb2.ChannelReply.FromString(read_frame(s))
+            assert r.code == "RESOURCE_EXHAUSTED" and "longer than the largest valid request" in r.message
             assert s.recv(1) == b""  # and the connection is closed
         with connect(daemon) as s:
             s.sendall(HEADER.pack(100) + b"cut short")  # a client that dies inside a frame
@@ -235,7 +235,7 @@ async def test_async_client_asks_the_channel_too(daemon, pool):
         other = client.hasher.hash_blocks(range(5000, 5000 + 16 * 4))
         for q in (chain, chain[:10], chain[29:], other, []):
             assert await client.lookup(q) == await slow.lookup(q)
-        assert client._lookup_channel is not None and client._lookup_channel._conn is not None
+        assert client._lookup_channel is not None and len(client._lookup_channel._idle) == 1
         assert slow._lookup_channel is None  # never used
 
         daemon.proc.send_signal(signal.SIGSTOP)
@@ -245,7 +245,7 @@ async def test_async_client_asks_the_channel_too(daemon, pool):
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            assert client._lookup_channel._conn is None  # dropped: its late answer is nobody's
+            assert not client._lookup_channel._idle and client._lookup_channel._open == 0  # dropped: its late answer is nobody's
             t0 = time.monotonic()
             assert await client.lookup(chain) == (0, [])  # past the timeout: an empty cache's answer
             assert 0.9 < time.monotonic() - t0 < 30 and not client.attached  # after the 1 s timeout; not hung
@@ -260,7 +260,7 @@ async def test_async_client_asks_the_channel_too(daemon, pool):
         assert await client.lookup(chain) == (30, [HOST] * 30)
 
         os.unlink(lookup_socket_path(daemon.socket_path))
-        client._lookup_channel._drop()
+        client._lookup_channel._drop_idle()
         assert await client.lookup(chain) == (30, [HOST] * 30)  # over gRPC
         assert not client._lookup_channel.usable
 
@@ -352,7 +352,7 @@ uid, socket_path, steps = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
 drop_privileges(uid)
 out = [{"uid": os.getuid()}]
 for step in steps:
-    if step["op"] == "lookup":  # one raw request on a fresh connection to the Lookup channel
+    if step["op"] == "lookup":  # one raw request on a fresh connection to the channel (a Lookup, or "call")
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(10)
         try:
@@ -360,13 +360,14 @@ for step in steps:
         except OSError as e:
             out.append({"code": "CONNECT", "message": str(e)})
             continue
-        req = kvcache_pb2.LookupRequest(session_id=step["session"], hashes=bytes.fromhex(step["hashes"]),
-                                        namespace_id=step.get("namespace_id", ""))
+        req = kvcache_pb2.ChannelRequest(session_id=step["session"], hashes=bytes.fromhex(step["hashes"]),
+                                         namespace_id=step.get("namespace_id", ""), call=step.get("call", 0),
+                                         block_ids=step.get("block_ids", []))
         try:
             s.sendall(frame(req.SerializeToString()))
         except OSError:
             pass  # refused at connect: the daemon's answer is already waiting to be read
-        r = kvcache_pb2.LookupChannelReply.FromString(read_frame(s))
+        r = kvcache_pb2.ChannelReply.FromString(read_frame(s))
         out.append({"code": r.code or "OK", "message": r.message, "prefix": r.prefix_blocks})
         s.close()
     elif step["op"] == "client":  # an engine of this uid: its own session, the same namespace tuple

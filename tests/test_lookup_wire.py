@@ -1,5 +1,5 @@
 """The Lookup channel's encodings built without protobuf messages on the hot path: the engine's
-framed LookupRequest (kvwire.lookup_frames.request_frame) and the daemon's LookupChannelReply
+framed LookupRequest (kvwire.lookup_frames.request_frame) and the daemon's ChannelReply
 (kvservice.api.convert.lookup_channel_reply) carry exactly what the messages would."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def test_lookup_channel_reply_carries_each_tier_as_one_byte(tiers):
     assert reply.prefix_blocks == len(tiers)
     assert list(reply.tiers) == list(tiers)
     assert reply.tiers == bytes(tiers)
-    back = kvcache_pb2.LookupChannelReply.FromString(reply.SerializeToString())
+    back = kvcache_pb2.ChannelReply.FromString(reply.SerializeToString())
     assert (back.prefix_blocks, list(back.tiers), back.code) == (len(tiers), list(tiers), "")
 
 

@@ -146,7 +146,7 @@ def lookup_reply(tiers: Sequence[int]) -> kvcache_pb2.LookupReply:
     return kvcache_pb2.LookupReply(prefix_blocks=len(tiers), tiers=tiers)
 
 
-def lookup_channel_reply(tiers: Sequence[int]) -> kvcache_pb2.LookupChannelReply:
+def lookup_channel_reply(tiers: Sequence[int]) -> kvcache_pb2.ChannelReply:
     """The same answer for the Lookup channel: its tiers one byte each (Tier values are < 256).
     A prefix all in one tier (the usual answer: all in host memory) is one repeated byte:
     list.count and a bytes repeat cost ~1 us for 1024 blocks, bytes(list) ~6."""
@@ -155,7 +155,7 @@ def lookup_channel_reply(tiers: Sequence[int]) -> kvcache_pb2.LookupChannelReply
         packed = bytes((tiers[0],)) * n
     else:
         packed = bytes(tiers)
-    return kvcache_pb2.LookupChannelReply(prefix_blocks=n, tiers=packed)
+    return kvcache_pb2.ChannelReply(prefix_blocks=n, tiers=packed)
 
 
 def _messages(messages: Mapping[int, str]) -> list[kvcache_pb2.BlockMessage]:

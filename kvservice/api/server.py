@@ -306,8 +306,8 @@ async def running_server(
     finally:
         if registrar_started or registrar._sock is not None:
             await registrar.stop()
-        await lookups.stop()
-        await asyncio.gather(*(srv.stop(grace=STOP_GRACE_S) for srv, _, _ in servers))
+        # the frames channel's running Stores and Loads answer within the same grace as gRPC calls
+        await asyncio.gather(lookups.stop(grace=STOP_GRACE_S), *(srv.stop(grace=STOP_GRACE_S) for srv, _, _ in servers))
         if reaper is not None:
             reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):

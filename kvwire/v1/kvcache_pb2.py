@@ -25,21 +25,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvservice/v1/kvcache.proto\x12\x0ckvservice.v1\"\x8f\x01\n\tNamespace\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x10\n\x08kv_dtype\x18\x02 \x01(\t\x12\x18\n\x10tokens_per_block\x18\x03 \x01(\r\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x0f\n\x07tp_rank\x18\x05 \x01(\r\x12\x0f\n\x07tp_size\x18\x06 \x01(\r\x12\x12\n\ncache_salt\x18\x07 \x01(\t\"G\n\nPoolRegion\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x14\n\x0c\x62lock_stride\x18\x02 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\"%\n\tShmHandle\x12\x0c\n\x04size\x18\x02 \x01(\x04J\x04\x08\x01\x10\x02R\x04name\"n\n\rCudaIpcHandle\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x14\n\x0c\x64\x65vice_index\x18\x02 \x01(\x05\x12\x13\n\x0b\x64\x65vice_uuid\x18\x03 \x01(\t\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x05 \x01(\x0c\"\xaf\x01\n\x0fPoolDescription\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12)\n\x07regions\x18\x02 \x03(\x0b\x32\x18.kvservice.v1.PoolRegion\x12&\n\x03shm\x18\x03 \x01(\x0b\x32\x17.kvservice.v1.ShmHandleH\x00\x12+\n\x04\x63uda\x18\x04 \x01(\x0b\x32\x1b.kvservice.v1.CudaIpcHandleH\x00\x42\x08\n\x06handle\"\x97\x01\n\x12OpenSessionRequest\x12*\n\tnamespace\x18\x01 \x01(\x0b\x32\x17.kvservice.v1.Namespace\x12+\n\x04pool\x18\x02 \x01(\x0b\x32\x1d.kvservice.v1.PoolDescription\x12\x13\n\x0bhash_canary\x18\x03 \x01(\x0c\x12\x13\n\x0b\x63lient_name\x18\x04 \x01(\t\"\xbd\x01\n\x10OpenSessionReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\t\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12\x18\n\x10max_batch_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\r\x12\r\n\x05label\x18\x06 \x01(\t\x12\x13\n\x0b\x64\x61ta_socket\x18\x07 \x01(\t\x12\x15\n\rlookup_socket\x18\x08 \x01(\t\"c\n\x11RegistrationReply\x12/\n\x07session\x18\x01 \x01(\x0b\x32\x1e.kvservice.v1.OpenSessionReply\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"&\n\x10HeartbeatRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\'\n\x0eHeartbeatReply\x12\x15\n\rlease_seconds\x18\x01 \x01(\x01\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x13\n\x11\x43loseSessionReply\"O\n\rLookupRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x03 \x01(\t\x12\x0e\n\x06hashes\x18\x04 \x01(\x0cJ\x04\x08\x02\x10\x03\"G\n\x0bLookupReply\x12\x15\n\rprefix_blocks\x18\x01 \x01(\r\x12!\n\x05tiers\x18\x02 \x03(\x0e\x32\x12.kvservice.v1.Tier\"Y\n\x12LookupChannelReply\x12\x15\n\rprefix_blocks\x18\x01 \x01(\r\x12\r\n\x05tiers\x18\x02 \x01(\x0c\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\".\n\x0c\x42lockMessage\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x90\x01\n\x0cStoreRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x01\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x14\n\x0cnamespace_id\x18\x05 \x01(\t\x12\x0e\n\x06hashes\x18\x06 \x01(\x0c\x12\x11\n\tblock_ids\x18\x07 \x03(\rJ\x04\x08\x02\x10\x03R\x06\x62locks\"\x89\x01\n\nStoreReply\x12+\n\x08statuses\x18\x02 \x03(\x0e\x32\x19.kvservice.v1.StoreStatus\x12\x11\n\tdeadlines\x18\x03 \x03(\x01\x12,\n\x08messages\x18\x04 \x03(\x0b\x32\x1a.kvservice.v1.BlockMessageJ\x04\x08\x01\x10\x02R\x07results\"h\n\x0bLoadRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x03 \x01(\t\x12\x0e\n\x06hashes\x18\x04 \x01(\x0c\x12\x11\n\tblock_ids\x18\x05 \x03(\rJ\x04\x08\x02\x10\x03R\x06\x62locks\"\x97\x01\n\tLoadReply\x12*\n\x08statuses\x18\x02 \x03(\x0e\x32\x18.kvservice.v1.LoadStatus\x12!\n\x05tiers\x18\x03 \x03(\x0e\x32\x12.kvservice.v1.Tier\x12,\n\x08messages\x18\x04 \x03(\x0b\x32\x1a.kvservice.v1.BlockMessageJ\x04\x08\x01\x10\x02R\x07results\"Q\n\x0fPrefetchRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x03 \x01(\t\x12\x0e\n\x06hashes\x18\x04 \x01(\x0cJ\x04\x08\x02\x10\x03\"l\n\rPrefetchReply\x12-\n\x07results\x18\x01 \x03(\x0e\x32\x1c.kvservice.v1.PrefetchStatus\x12,\n\x08messages\x18\x02 \x03(\x0b\x32\x1a.kvservice.v1.BlockMessage\"d\n\rRetainRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cnamespace_id\x18\x04 \x01(\t\x12\x0e\n\x06hashes\x18\x05 \x01(\x0cJ\x04\x08\x02\x10\x03\" \n\x0bRetainReply\x12\x11\n\tdeadlines\x18\x01 \x03(\x01*H\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_GPU\x10\x01\x12\r\n\tTIER_HOST\x10\x02\x12\r\n\tTIER_DISK\x10\x03*\x86\x01\n\x0bStoreStatus\x12\x1c\n\x18STORE_STATUS_UNSPECIFIED\x10\x00\x12\n\n\x06STORED\x10\x01\x12\x12\n\x0e\x41LREADY_STORED\x10\x02\x12\x17\n\x13STORED_NOT_RETAINED\x10\x03\x12\x10\n\x0cSTORE_FAILED\x10\x04\x12\x0e\n\nNOT_STORED\x10\x05*S\n\nLoadStatus\x12\x1b\n\x17LOAD_STATUS_UNSPECIFIED\x10\x00\x12\n\n\x06LOADED\x10\x01\x12\x0b\n\x07MISSING\x10\x02\x12\x0f\n\x0bLOAD_FAILED\x10\x03*v\n\x0ePrefetchStatus\x12\x1f\n\x1bPREFETCH_STATUS_UNSPECIFIED\x10\x00\x12\n\n\x06STAGED\x10\x01\x12\x13\n\x0f\x41LREADY_IN_HOST\x10\x02\x12\r\n\tNOT_FOUND\x10\x03\x12\x13\n\x0fPREFETCH_FAILED\x10\x04\x32\xef\x03\n\x07KVCache\x12I\n\tHeartbeat\x12\x1e.kvservice.v1.HeartbeatRequest\x1a\x1c.kvservice.v1.HeartbeatReply\x12R\n\x0c\x43loseSession\x12!.kvservice.v1.CloseSessionRequest\x1a\x1f.kvservice.v1.CloseSessionReply\x12@\n\x06Lookup\x12\x1b.kvservice.v1.LookupRequest\x1a\x19.kvservice.v1.LookupReply\x12=\n\x05Store\x12\x1a.kvservice.v1.StoreRequest\x1a\x18.kvservice.v1.StoreReply\x12:\n\x04Load\x12\x19.kvservice.v1.LoadRequest\x1a\x17.kvservice.v1.LoadReply\x12\x46\n\x08Prefetch\x12\x1d.kvservice.v1.PrefetchRequest\x1a\x1b.kvservice.v1.PrefetchReply\x12@\n\x06Retain\x12\x1b.kvservice.v1.RetainRequest\x1a\x19.kvservice.v1.RetainReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvservice/v1/kvcache.proto\x12\x0ckvservice.v1\"\x8f\x01\n\tNamespace\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x10\n\x08kv_dtype\x18\x02 \x01(\t\x12\x18\n\x10tokens_per_block\x18\x03 \x01(\r\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x0f\n\x07tp_rank\x18\x05 \x01(\r\x12\x0f\n\x07tp_size\x18\x06 \x01(\r\x12\x12\n\ncache_salt\x18\x07 \x01(\t\"G\n\nPoolRegion\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x14\n\x0c\x62lock_stride\x18\x02 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\"%\n\tShmHandle\x12\x0c\n\x04size\x18\x02 \x01(\x04J\x04\x08\x01\x10\x02R\x04name\"n\n\rCudaIpcHandle\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x14\n\x0c\x64\x65vice_index\x18\x02 \x01(\x05\x12\x13\n\x0b\x64\x65vice_uuid\x18\x03 \x01(\t\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x05 \x01(\x0c\"\xaf\x01\n\x0fPoolDescription\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12)\n\x07regions\x18\x02 \x03(\x0b\x32\x18.kvservice.v1.PoolRegion\x12&\n\x03shm\x18\x03 \x01(\x0b\x32\x17.kvservice.v1.ShmHandleH\x00\x12+\n\x04\x63uda\x18\x04 \x01(\x0b\x32\x1b.kvservice.v1.CudaIpcHandleH\x00\x42\x08\n\x06handle\"\x97\x01\n\x12OpenSessionRequest\x12*\n\tnamespace\x18\x01 \x01(\x0b\x32\x17.kvservice.v1.Namespace\x12+\n\x04pool\x18\x02 \x01(\x0b\x32\x1d.kvservice.v1.PoolDescription\x12\x13\n\x0bhash_canary\x18\x03 \x01(\x0c\x12\x13\n\x0b\x63lient_name\x18\x04 \x01(\t\"\xbd\x01\n\x10OpenSessionReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\t\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12\x18\n\x10max_batch_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\r\x12\r\n\x05label\x18\x06 \x01(\t\x12\x13\n\x0b\x64\x61ta_socket\x18\x07 \x01(\t\x12\x15\n\rlookup_socket\x18\x08 \x01(\t\"c\n\x11RegistrationReply\x12/\n\x07session\x18\x01 \x01(\x0b\x32\x1e.kvservice.v1.OpenSessionReply\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"&\n\x10HeartbeatRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\'\n\x0eHeartbeatReply\x12\x15\n\rlease_seconds\x18\x01 \x01(\x01\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x13\n\x11\x43loseSessionReply\"O\n\rLookupRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x03 \x01(\t\x12\x0e\n\x06hashes\x18\x04 \x01(\x0cJ\x04\x08\x02\x10\x03\"G\n\x0bLookupReply\x12\x15\n\rprefix_blocks\x18\x01 \x01(\r\x12!\n\x05tiers\x18\x02 \x03(\x0e\x32\x12.kvservice.v1.Tier\"\xa1\x01\n\x0e\x43hannelRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x03 \x01(\t\x12\x0e\n\x06hashes\x18\x04 \x01(\x0c\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\'\n\x04\x63\x61ll\x18\x06 \x01(\x0e\x32\x19.kvservice.v1.ChannelCall\x12\x13\n\x0bttl_seconds\x18\x07 \x01(\x01J\x04\x08\x02\x10\x03\"\xa3\x01\n\x0c\x43hannelReply\x12\x15\n\rprefix_blocks\x18\x01 \x01(\r\x12\r\n\x05tiers\x18\x02 \x01(\x0c\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\'\n\x05store\x18\x05 \x01(\x0b\x32\x18.kvservice.v1.StoreReply\x12%\n\x04load\x18\x06 \x01(\x0b\x32\x17.kvservice.v1.LoadReply\".\n\x0c\x42lockMessage\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x90\x01\n\x0cStoreRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x01\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x14\n\x0cnamespace_id\x18\x05 \x01(\t\x12\x0e\n\x06hashes\x18\x06 \x01(\x0c\x12\x11\n\tblock_ids\x18\x07 \x03(\rJ\x04\x08\x02\x10\x03R\x06\x62locks\"\x89\x01\n\nStoreReply\x12+\n\x08statuses\x18\x02 \x03(\x0e\x32\x19.kvservice.v1.StoreStatus\x12\x11\n\tdeadlines\x18\x03 \x03(\x01\x12,\n\x08messages\x18\x04 \x03(\x0b\x32\x1a.kvservice.v1.BlockMessageJ\x04\x08\x01\x10\x02R\x07results\"h\n\x0bLoadRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x03 \x01(\t\x12\x0e\n\x06hashes\x18\x04 \x01(\x0c\x12\x11\n\tblock_ids\x18\x05 \x03(\rJ\x04\x08\x02\x10\x03R\x06\x62locks\"\x97\x01\n\tLoadReply\x12*\n\x08statuses\x18\x02 \x03(\x0e\x32\x18.kvservice.v1.LoadStatus\x12!\n\x05tiers\x18\x03 \x03(\x0e\x32\x12.kvservice.v1.Tier\x12,\n\x08messages\x18\x04 \x03(\x0b\x32\x1a.kvservice.v1.BlockMessageJ\x04\x08\x01\x10\x02R\x07results\"Q\n\x0fPrefetchRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x03 \x01(\t\x12\x0e\n\x06hashes\x18\x04 \x01(\x0cJ\x04\x08\x02\x10\x03\"l\n\rPrefetchReply\x12-\n\x07results\x18\x01 \x03(\x0e\x32\x1c.kvservice.v1.PrefetchStatus\x12,\n\x08messages\x18\x02 \x03(\x0b\x32\x1a.kvservice.v1.BlockMessage\"d\n\rRetainRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cnamespace_id\x18\x04 \x01(\t\x12\x0e\n\x06hashes\x18\x05 \x01(\x0cJ\x04\x08\x02\x10\x03\" \n\x0bRetainReply\x12\x11\n\tdeadlines\x18\x01 \x03(\x01*H\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_GPU\x10\x01\x12\r\n\tTIER_HOST\x10\x02\x12\r\n\tTIER_DISK\x10\x03*.\n\x0b\x43hannelCall\x12\n\n\x06LOOKUP\x10\x00\x12\t\n\x05STORE\x10\x01\x12\x08\n\x04LOAD\x10\x02*\x86\x01\n\x0bStoreStatus\x12\x1c\n\x18STORE_STATUS_UNSPECIFIED\x10\x00\x12\n\n\x06STORED\x10\x01\x12\x12\n\x0e\x41LREADY_STORED\x10\x02\x12\x17\n\x13STORED_NOT_RETAINED\x10\x03\x12\x10\n\x0cSTORE_FAILED\x10\x04\x12\x0e\n\nNOT_STORED\x10\x05*S\n\nLoadStatus\x12\x1b\n\x17LOAD_STATUS_UNSPECIFIED\x10\x00\x12\n\n\x06LOADED\x10\x01\x12\x0b\n\x07MISSING\x10\x02\x12\x0f\n\x0bLOAD_FAILED\x10\x03*v\n\x0ePrefetchStatus\x12\x1f\n\x1bPREFETCH_STATUS_UNSPECIFIED\x10\x00\x12\n\n\x06STAGED\x10\x01\x12\x13\n\x0f\x41LREADY_IN_HOST\x10\x02\x12\r\n\tNOT_FOUND\x10\x03\x12\x13\n\x0fPREFETCH_FAILED\x10\x04\x32\xef\x03\n\x07KVCache\x12I\n\tHeartbeat\x12\x1e.kvservice.v1.HeartbeatRequest\x1a\x1c.kvservice.v1.HeartbeatReply\x12R\n\x0c\x43loseSession\x12!.kvservice.v1.CloseSessionRequest\x1a\x1f.kvservice.v1.CloseSessionReply\x12@\n\x06Lookup\x12\x1b.kvservice.v1.LookupRequest\x1a\x19.kvservice.v1.LookupReply\x12=\n\x05Store\x12\x1a.kvservice.v1.StoreRequest\x1a\x18.kvservice.v1.StoreReply\x12:\n\x04Load\x12\x19.kvservice.v1.LoadRequest\x1a\x17.kvservice.v1.LoadReply\x12\x46\n\x08Prefetch\x12\x1d.kvservice.v1.PrefetchRequest\x1a\x1b.kvservice.v1.PrefetchReply\x12@\n\x06Retain\x12\x1b.kvservice.v1.RetainRequest\x1a\x19.kvservice.v1.RetainReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvwire.v1.kvcache_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=2353
-  _globals['_TIER']._serialized_end=2425
-  _globals['_STORESTATUS']._serialized_start=2428
-  _globals['_STORESTATUS']._serialized_end=2562
-  _globals['_LOADSTATUS']._serialized_start=2564
-  _globals['_LOADSTATUS']._serialized_end=2647
-  _globals['_PREFETCHSTATUS']._serialized_start=2649
-  _globals['_PREFETCHSTATUS']._serialized_end=2767
+  _globals['_TIER']._serialized_start=2592
+  _globals['_TIER']._serialized_end=2664
+  _globals['_CHANNELCALL']._serialized_start=2666
+  _globals['_CHANNELCALL']._serialized_end=2712
+  _globals['_STORESTATUS']._serialized_start=2715
+  _globals['_STORESTATUS']._serialized_end=2849
+  _globals['_LOADSTATUS']._serialized_start=2851
+  _globals['_LOADSTATUS']._serialized_end=2934
+  _globals['_PREFETCHSTATUS']._serialized_start=2936
+  _globals['_PREFETCHSTATUS']._serialized_end=3054
   _globals['_NAMESPACE']._serialized_start=45
   _globals['_NAMESPACE']._serialized_end=188
   _globals['_POOLREGION']._serialized_start=190
@@ -68,26 +70,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOOKUPREQUEST']._serialized_end=1263
   _globals['_LOOKUPREPLY']._serialized_start=1265
   _globals['_LOOKUPREPLY']._serialized_end=1336
-  _globals['_LOOKUPCHANNELREPLY']._serialized_start=1338
-  _globals['_LOOKUPCHANNELREPLY']._serialized_end=1427
-  _globals['_BLOCKMESSAGE']._serialized_start=1429
-  _globals['_BLOCKMESSAGE']._serialized_end=1475
-  _globals['_STOREREQUEST']._serialized_start=1478
-  _globals['_STOREREQUEST']._serialized_end=1622
-  _globals['_STOREREPLY']._serialized_start=1625
-  _globals['_STOREREPLY']._serialized_end=1762
-  _globals['_LOADREQUEST']._serialized_start=1764
-  _globals['_LOADREQUEST']._serialized_end=1868
-  _globals['_LOADREPLY']._serialized_start=1871
-  _globals['_LOADREPLY']._serialized_end=2022
-  _globals['_PREFETCHREQUEST']._serialized_start=2024
-  _globals['_PREFETCHREQUEST']._serialized_end=2105
-  _globals['_PREFETCHREPLY']._serialized_start=2107
-  _globals['_PREFETCHREPLY']._serialized_end=2215
-  _globals['_RETAINREQUEST']._serialized_start=2217
-  _globals['_RETAINREQUEST']._serialized_end=2317
-  _globals['_RETAINREPLY']._serialized_start=2319
-  _globals['_RETAINREPLY']._serialized_end=2351
-  _globals['_KVCACHE']._serialized_start=2770
-  _globals['_KVCACHE']._serialized_end=3265
+  _globals['_CHANNELREQUEST']._serialized_start=1339
+  _globals['_CHANNELREQUEST']._serialized_end=1500
+  _globals['_CHANNELREPLY']._serialized_start=1503
+  _globals['_CHANNELREPLY']._serialized_end=1666
+  _globals['_BLOCKMESSAGE']._serialized_start=1668
+  _globals['_BLOCKMESSAGE']._serialized_end=1714
+  _globals['_STOREREQUEST']._serialized_start=1717
+  _globals['_STOREREQUEST']._serialized_end=1861
+  _globals['_STOREREPLY']._serialized_start=1864
+  _globals['_STOREREPLY']._serialized_end=2001
+  _globals['_LOADREQUEST']._serialized_start=2003
+  _globals['_LOADREQUEST']._serialized_end=2107
+  _globals['_LOADREPLY']._serialized_start=2110
+  _globals['_LOADREPLY']._serialized_end=2261
+  _globals['_PREFETCHREQUEST']._serialized_start=2263
+  _globals['_PREFETCHREQUEST']._serialized_end=2344
+  _globals['_PREFETCHREPLY']._serialized_start=2346
+  _globals['_PREFETCHREPLY']._serialized_end=2454
+  _globals['_RETAINREQUEST']._serialized_start=2456
+  _globals['_RETAINREQUEST']._serialized_end=2556
+  _globals['_RETAINREPLY']._serialized_start=2558
+  _globals['_RETAINREPLY']._serialized_end=2590
+  _globals['_KVCACHE']._serialized_start=3057
+  _globals['_KVCACHE']._serialized_end=3552
 # @@protoc_insertion_point(module_scope)

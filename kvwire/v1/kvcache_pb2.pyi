@@ -15,6 +15,12 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_HOST: _ClassVar[Tier]
     TIER_DISK: _ClassVar[Tier]
 
+class ChannelCall(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LOOKUP: _ClassVar[ChannelCall]
+    STORE: _ClassVar[ChannelCall]
+    LOAD: _ClassVar[ChannelCall]
+
 class StoreStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     STORE_STATUS_UNSPECIFIED: _ClassVar[StoreStatus]
@@ -42,6 +48,9 @@ TIER_UNSPECIFIED: Tier
 TIER_GPU: Tier
 TIER_HOST: Tier
 TIER_DISK: Tier
+LOOKUP: ChannelCall
+STORE: ChannelCall
+LOAD: ChannelCall
 STORE_STATUS_UNSPECIFIED: StoreStatus
 STORED: StoreStatus
 ALREADY_STORED: StoreStatus
@@ -200,17 +209,37 @@ class LookupReply(_message.Message):
     tiers: _containers.RepeatedScalarFieldContainer[Tier]
     def __init__(self, prefix_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
-class LookupChannelReply(_message.Message):
-    __slots__ = ("prefix_blocks", "tiers", "code", "message")
+class ChannelRequest(_message.Message):
+    __slots__ = ("session_id", "namespace_id", "hashes", "block_ids", "call", "ttl_seconds")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    namespace_id: str
+    hashes: bytes
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    call: ChannelCall
+    ttl_seconds: float
+    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[str] = ..., hashes: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., call: _Optional[_Union[ChannelCall, str]] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class ChannelReply(_message.Message):
+    __slots__ = ("prefix_blocks", "tiers", "code", "message", "store", "load")
     PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     prefix_blocks: int
     tiers: bytes
     code: str
     message: str
-    def __init__(self, prefix_blocks: _Optional[int] = ..., tiers: _Optional[bytes] = ..., code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    store: StoreReply
+    load: LoadReply
+    def __init__(self, prefix_blocks: _Optional[int] = ..., tiers: _Optional[bytes] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., store: _Optional[_Union[StoreReply, _Mapping]] = ..., load: _Optional[_Union[LoadReply, _Mapping]] = ...) -> None: ...
 
 class BlockMessage(_message.Message):
     __slots__ = ("index", "message")
