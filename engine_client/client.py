@@ -275,9 +275,10 @@ class AsyncKVClient:
         out = StoreResults()
         await self._batched(
             "Store", len(ids),
-            lambda sid, lo, hi: kvcache_pb2.StoreRequest(
-                session_id=sid, hashes=packed[lo * HASH_BYTES:hi * HASH_BYTES], block_ids=ids[lo:hi],
-                ttl_seconds=ttl_seconds),
+            # built as the frames channel's request; _call makes the gRPC one only if it must go there
+            lambda sid, lo, hi: kvcache_pb2.ChannelRequest(
+                call=kvcache_pb2.STORE, session_id=sid, hashes=packed[lo * HASH_BYTES:hi * HASH_BYTES],
+                block_ids=ids[lo:hi], ttl_seconds=ttl_seconds),
             lambda reply: (reply.statuses, reply.deadlines),
             lambda reply: out.extend(reply.statuses, reply.deadlines, reply.messages),
             lambda k: out.fill(k, kvcache_pb2.NOT_STORED, UNREACHABLE),
@@ -436,6 +437,10 @@ class AsyncKVClient:
                 return None
             if got is not None:
                 return got.store if rpc == "Store" else got.load
+        if rpc == "Store" and isinstance(request, kvcache_pb2.ChannelRequest):
+            request = kvcache_pb2.StoreRequest(session_id=request.session_id, namespace_id=request.namespace_id,
+                                               hashes=request.hashes, block_ids=request.block_ids,
+                                               ttl_seconds=request.ttl_seconds)
         try:
             return await getattr(self._stub, rpc)(request, timeout=self._timeout)
         except grpc.aio.AioRpcError as err:
@@ -657,12 +662,11 @@ def _pack_refs(hashes: Sequence[bytes], block_ids: Sequence[int]) -> tuple[bytes
     return _pack(hashes), list(block_ids)
 
 
-def _channel_request(rpc: str, request: kvcache_pb2.StoreRequest | kvcache_pb2.LoadRequest) -> bytes:
-    """A Store or Load request as the frames channel's ChannelRequest, serialized."""
+def _channel_request(rpc: str, request: kvcache_pb2.ChannelRequest | kvcache_pb2.LoadRequest) -> bytes:
+    """A Store (built as a ChannelRequest) or Load request as the frames channel's ChannelRequest,
+    serialized."""
     if rpc == "Store":
-        return kvcache_pb2.ChannelRequest(
-            call=kvcache_pb2.STORE, session_id=request.session_id, namespace_id=request.namespace_id,
-            hashes=request.hashes, block_ids=request.block_ids, ttl_seconds=request.ttl_seconds).SerializeToString()
+        return request.SerializeToString()
     # a LoadRequest's fields have the ChannelRequest's numbers: its bytes plus the call field are one
     return request.SerializeToString() + _LOAD_CALL
 
