@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 from collections.abc import Iterator
 
@@ -168,6 +169,45 @@ def test_a_store_whose_connection_closes_while_it_waits_for_the_disk_is_rolled_b
                 s.close()
                 assert_nothing_left_and_others_store(d, b, 300)
         assert d.proc.poll() is None and "Traceback" not in d.log()
+    finally:
+        d.close()
+
+
+def test_a_store_running_when_the_daemon_stops_answers_and_later_frames_are_refused():
+    """Scenario: a framed Store waits for spills (a throttled disk) when the daemon is told to stop
+    (SIGTERM). The Store still answers, every block STORED, within the shutdown grace; a frame sent
+    after it is refused UNAVAILABLE (a stopping gRPC server's answer) or finds the connection
+    closed; the daemon exits cleanly (status 0), its spills drained."""
+    d = Daemon(host_capacity="64KiB", disk_capacity="1MiB",
+               extra=["--write-queue-depth", "1", "--writer-threads", "1", "--admission-gate", "retained-only",
+                      "--disk-write-bytes-per-second", "80000"])
+    try:
+        d.start()
+        with ShmKVPool(32, BLOCK) as pool:
+            for i in range(32):
+                pool.write_block(i, content(i))
+            with KVClient(d.target, Namespace("m", "float32", 16, "block-contiguous", 0, 1, ""), pool,
+                          client_name="stops") as a:
+                assert [r.status for r in a.store([h(i) for i in range(16)], list(range(16)), 600)] == [STORED] * 16
+                s = connect(d)
+                request = kvcache_pb2.ChannelRequest(
+                    call=kvcache_pb2.STORE, session_id=a.session_id, hashes=b"".join(h(i) for i in range(16, 32)),
+                    block_ids=list(range(16, 32)), ttl_seconds=600)
+                s.sendall(frame(request.SerializeToString()))
+                wait_for(lambda: (st := d.stats()).write_queue_depth + st.writes_in_progress >= 1,
+                         "the framed Store to wait for the write queue")
+                d.proc.send_signal(signal.SIGTERM)
+                got = kvcache_pb2.ChannelReply.FromString(read_frame(s, 64 << 20))
+                assert not got.code and list(got.store.statuses) == [STORED] * 16, got
+                try:
+                    s.sendall(frame(request.SerializeToString()))
+                    after = kvcache_pb2.ChannelReply.FromString(read_frame(s, 64 << 20))
+                    assert after.code == "UNAVAILABLE", after
+                except (OSError, EOFError):
+                    pass  # the channel closed first: the client goes to gRPC, which is stopping too
+                s.close()
+                assert d.proc.wait(30) == 0
+        assert "Traceback" not in d.log()
     finally:
         d.close()
 

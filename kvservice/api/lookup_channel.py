@@ -64,6 +64,7 @@ class LookupChannel:
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[_Connection] = set()
         self._bound = False  # the socket file is ours to remove (never another daemon's)
+        self._stopping = False
         self.per_uid: Counter[int] = Counter()
 
     def bind(self) -> None:
@@ -94,6 +95,7 @@ class LookupChannel:
         elif self._sock is not None:
             self._sock.close()
         self._sock = None
+        self._stopping = True  # new frames are refused from here on, as a stopping gRPC server refuses calls
         running = [c.running for c in self._connections if c.running is not None]
         if running and grace > 0:
             await asyncio.wait(running, timeout=grace)
@@ -249,7 +251,8 @@ class _Connection(asyncio.Protocol):
                 break
             payload = data[pos + size:pos + size + length]
             pos += size + length
-            request = ch.parse(payload)
+            request = ch.parse(payload) if not ch._stopping else _refusal(
+                ErrorCode.UNAVAILABLE.value, "the daemon is shutting down")
             if isinstance(request, kvcache_pb2.ChannelReply):
                 out.append(frame(request.SerializeToString()))
             elif request.call == kvcache_pb2.LOOKUP:
