@@ -296,8 +296,9 @@ class AsyncKVClient:
         out = LoadResults()
         await self._batched(
             "Load", len(ids),
-            lambda sid, lo, hi: kvcache_pb2.LoadRequest(
-                session_id=sid, hashes=packed[lo * HASH_BYTES:hi * HASH_BYTES], block_ids=ids[lo:hi]),
+            lambda sid, lo, hi: kvcache_pb2.ChannelRequest(  # as store(): the gRPC one only if needed
+                call=kvcache_pb2.LOAD, session_id=sid, hashes=packed[lo * HASH_BYTES:hi * HASH_BYTES],
+                block_ids=ids[lo:hi]),
             lambda reply: (reply.statuses, reply.tiers),
             lambda reply: out.extend(reply.statuses, reply.tiers, reply.messages),
             lambda k: out.fill(k, kvcache_pb2.MISSING, UNREACHABLE),
@@ -432,15 +433,13 @@ class AsyncKVClient:
         gRPC); None when the daemon is unreachable (and the client detaches)."""
         assert self._stub is not None
         if rpc in _CHANNEL_CALLS and self._use_lookup_channel and session.lookup_socket:
-            got = await self._channel_call(rpc, _channel_request(rpc, request), session, MAX_DATA_REPLY_BYTES)
+            got = await self._channel_call(rpc, request.SerializeToString(), session, MAX_DATA_REPLY_BYTES)
             if got is UNANSWERED_REPLY:
                 return None
             if got is not None:
                 return got.store if rpc == "Store" else got.load
-        if rpc == "Store" and isinstance(request, kvcache_pb2.ChannelRequest):
-            request = kvcache_pb2.StoreRequest(session_id=request.session_id, namespace_id=request.namespace_id,
-                                               hashes=request.hashes, block_ids=request.block_ids,
-                                               ttl_seconds=request.ttl_seconds)
+        if isinstance(request, kvcache_pb2.ChannelRequest):
+            request = _grpc_request(rpc, request)
         try:
             return await getattr(self._stub, rpc)(request, timeout=self._timeout)
         except grpc.aio.AioRpcError as err:
@@ -662,13 +661,11 @@ def _pack_refs(hashes: Sequence[bytes], block_ids: Sequence[int]) -> tuple[bytes
     return _pack(hashes), list(block_ids)
 
 
-def _channel_request(rpc: str, request: kvcache_pb2.ChannelRequest | kvcache_pb2.LoadRequest) -> bytes:
-    """A Store (built as a ChannelRequest) or Load request as the frames channel's ChannelRequest,
-    serialized."""
+def _grpc_request(rpc: str, request: kvcache_pb2.ChannelRequest) -> kvcache_pb2.StoreRequest | kvcache_pb2.LoadRequest:
+    """A Store or Load built for the frames channel, as the gRPC call's request (when it must go there)."""
     if rpc == "Store":
-        return request.SerializeToString()
-    # a LoadRequest's fields have the ChannelRequest's numbers: its bytes plus the call field are one
-    return request.SerializeToString() + _LOAD_CALL
-
-
-_LOAD_CALL = kvcache_pb2.ChannelRequest(call=kvcache_pb2.LOAD).SerializeToString()
+        return kvcache_pb2.StoreRequest(session_id=request.session_id, namespace_id=request.namespace_id,
+                                        hashes=request.hashes, block_ids=request.block_ids,
+                                        ttl_seconds=request.ttl_seconds)
+    return kvcache_pb2.LoadRequest(session_id=request.session_id, namespace_id=request.namespace_id,
+                                   hashes=request.hashes, block_ids=request.block_ids)

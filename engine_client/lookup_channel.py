@@ -43,7 +43,6 @@ from kvwire.lookup_frames import (
     MAX_REPLY_BYTES,
     RECV_BYTES,
     LookupFrameError,
-    frame,
     read_frame,
 )
 from kvwire.v1 import kvcache_pb2
@@ -373,7 +372,8 @@ class AsyncLookupChannel:
                 except OSError as e:
                     raise ChannelDown(f"cannot connect to {self.path}: {e.strerror or e}") from None
             reader, writer = conn
-            writer.write(frame(request))
+            writer.write(HEADER.pack(len(request)))  # no framed copy of a large request (page faults: ~1.5 ms a MiB)
+            writer.write(request)
             head = await reader.readexactly(HEADER.size)
             (length,) = HEADER.unpack(head)
             if length > limit:

@@ -227,6 +227,10 @@ class _Connection(asyncio.Protocol):
                 if len(buf) > self._channel._max_frame and self._transport is not None:
                     self._transport.pause_reading()  # a client that does not wait for its answers
                 return
+            if len(buf) >= HEADER.size:
+                (length,) = HEADER.unpack_from(buf)
+                if length <= self._channel._max_frame and len(buf) - HEADER.size < length:
+                    return  # a large frame still arriving: no copy of it per read (one, once it is whole)
             data = bytes(buf)
             buf.clear()
         self._serve(data)
