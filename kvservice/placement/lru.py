@@ -7,7 +7,9 @@ Keyed by the entry itself (identity hash: no key tuple hashed per block).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import repeat
 
 from kvservice.placement.index import Entry
 
@@ -29,8 +31,7 @@ class ChainLRU:
         """Move (or add) entries to the newest end, in the order given: the last one newest."""
         order = self._order
         pop = order.pop
-        for e in rev:
-            pop(e, None)
+        deque(map(pop, rev, repeat(None)), 0)  # the pops called from C: no bytecode a block
         before = len(order)
         order.update(zip(rev, rev))
         if len(order) - before < len(rev):  # an entry twice: each occurrence moves it to the end in turn
@@ -45,8 +46,7 @@ class ChainLRU:
 
     def touch_present(self, chain: Sequence[Entry]) -> None:
         """Refresh those of the entries (head first) that are in the order; others are left out."""
-        order = self._order
-        self._to_end([e for e in reversed(chain) if e in order])
+        self._to_end(list(filter(self._order.__contains__, reversed(chain))))
 
     def append_newest(self, entries: Sequence[Entry]) -> None:
         """Add entries not yet in the order, oldest first, as the most recent (restart, in one pass)."""
@@ -56,9 +56,7 @@ class ChainLRU:
         self._order.pop(entry, None)
 
     def discard_many(self, entries: Iterable[Entry]) -> None:
-        pop = self._order.pop
-        for e in entries:
-            pop(e, None)
+        deque(map(self._order.pop, entries, repeat(None)), 0)
 
     def __contains__(self, entry: Entry) -> bool:
         return entry in self._order
