@@ -230,7 +230,9 @@ def client_for(daemon: Daemon, view: PoolView, tag: str):
     from engine_client import KVClient, Namespace
 
     ns = Namespace(f"bench-{tag}-{view.block_bytes}-{view.layout}", "bfloat16", 16, view.layout)
-    c = KVClient(daemon.target, ns, view, client_name="bench/gpu_bandwidth.py", timeout=600.0)
+    # KVBENCH_GRPC_ONLY=1: Store and Load over gRPC instead of the frames channel (an A/B of the transport)
+    c = KVClient(daemon.target, ns, view, client_name="bench/gpu_bandwidth.py", timeout=600.0,
+                 lookup_channel=os.environ.get("KVBENCH_GRPC_ONLY", "0") != "1")
     c.connect(required=True)
     return c
 

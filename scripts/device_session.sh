@@ -8,6 +8,7 @@
 #   tests      every GPU-marked test of the suite (modules the GPU image cannot import are reported, not fatal)  240
 #   bw         bench/gpu_bandwidth.py host part, 2 and 4 GiB batches, 2 MiB / 256 KiB / 64 KiB blocks        150
 #   loadab     the same at 2 GiB with KVTUNE_LOAD_ENQUEUE_FIRST=1 (Loads in parts: copies queued first)     75
+#   bwgrpc     the same at 2 GiB with KVBENCH_GRPC_ONLY=1 (Store and Load over gRPC, not the frames channel) 75
 #   profile    the copy path alone at 2 MiB under torch.profiler (the 2 MiB Store's GPU timeline)          120
 #   lookup     bench/lookup_latency.py (the 1024-hash Lookup line)                                          60
 #   disk       scripts/device_disk_probe.sh (raw sweep, DiskStore alone, daemon always / clean / restarted)  300
@@ -44,6 +45,7 @@ for p in ${PHASES//,/ }; do
     tests) phase tests 240 python3 -m pytest -m gpu -q -rA -p no:cacheprovider --continue-on-collection-errors tests/ ;;
     bw) phase bw 150 "${BW[@]}" --batch-mib 2048,4096 --out "$D/bw.json" ;;
     loadab) phase loadab 75 env KVTUNE_LOAD_ENQUEUE_FIRST=1 "${BW[@]}" --batch-mib 2048 ;;
+    bwgrpc) phase bwgrpc 75 env KVBENCH_GRPC_ONLY=1 "${BW[@]}" --batch-mib 2048 ;;
     profile) phase profile 120 python3 bench/gpu_bandwidth.py --layouts layer-first --reps 3 --skip host,disk \
                --sizes 2048 --batch-mib 2048 --profile "$D/prof" ;;
     lookup) phase lookup 60 python3 bench/lookup_latency.py --iters 2000 ;;
