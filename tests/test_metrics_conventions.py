@@ -88,6 +88,9 @@ def test_daemon_metrics_follow_conventions_from_the_first_scrape() -> None:
         assert not any(name.endswith("_created") for name, _ in m)
         for gauge in ("write_queue_depth", "writes_in_progress", "write_queue_high_water", "write_queue_capacity"):
             assert (f"kvservice_{gauge}", frozenset()) in m, gauge
+        assert m[("kvservice_frames_channel_connections", frozenset())] == 0
+        for call in ("lookup", "store", "load"):  # the frames channel's calls, from the first scrape
+            assert m[("kvservice_frames_channel_calls_total", frozenset({("call", call)}))] == 0, call
 
         ns = Namespace("metrics-model", "float16", 16, "layer-first")
         pool = ShmKVPool(4, 4096, layout="layer-first", num_layers=1)
@@ -96,6 +99,7 @@ def test_daemon_metrics_follow_conventions_from_the_first_scrape() -> None:
                 hashes = kv.hasher.hash_blocks(list(range(4 * 16)))
                 kv.store(hashes, [0, 1, 2, 3])
                 kv.load(hashes[:2], [0, 1])
+                assert kv.lookup(hashes)[0] == 4
                 later = scrape(url)
                 ns_id = kv.namespace_id
         finally:
@@ -108,6 +112,10 @@ def test_daemon_metrics_follow_conventions_from_the_first_scrape() -> None:
         assert m[("kvservice_loads_host_total", labels)] == 2
         assert m[("kvservice_recovery_ratio", frozenset())] == 0.5
         assert ("kvservice_stores_total", empty) not in m  # nothing counted outside the namespace
+        # the engine's Store, Load and Lookup went on the frames channel, over connections it kept open
+        assert m[("kvservice_frames_channel_connections", frozenset())] >= 1
+        for call in ("lookup", "store", "load"):
+            assert m[("kvservice_frames_channel_calls_total", frozenset({("call", call)}))] == 1, call
 
 
 def test_engine_metrics_have_process_series_and_no_created() -> None:

@@ -66,6 +66,11 @@ class LookupChannel:
         self._bound = False  # the socket file is ours to remove (never another daemon's)
         self._stopping = False
         self.per_uid: Counter[int] = Counter()
+        self.calls: Counter[str] = Counter({name: 0 for name in CALL_NAMES.values()})  # served here, by call (metrics)
+
+    def metrics(self) -> tuple[int, dict[str, int]]:
+        """(open connections, calls served so far by call name): what /metrics exports."""
+        return len(self._connections), dict(self.calls)
 
     def bind(self) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -167,6 +172,7 @@ class LookupChannel:
 
 
 _CALLS = frozenset((kvcache_pb2.LOOKUP, kvcache_pb2.STORE, kvcache_pb2.LOAD))
+CALL_NAMES = {kvcache_pb2.LOOKUP: "lookup", kvcache_pb2.STORE: "store", kvcache_pb2.LOAD: "load"}
 
 
 def _refusal(code: str, message: str) -> kvcache_pb2.ChannelReply:
@@ -259,7 +265,9 @@ class _Connection(asyncio.Protocol):
                 ErrorCode.UNAVAILABLE.value, "the daemon is shutting down")
             if isinstance(request, kvcache_pb2.ChannelReply):
                 out.append(frame(request.SerializeToString()))
-            elif request.call == kvcache_pb2.LOOKUP:
+                continue
+            ch.calls[CALL_NAMES[request.call]] += 1
+            if request.call == kvcache_pb2.LOOKUP:
                 out.append(frame(ch.answer_lookup(self._uid, request).SerializeToString()))
             else:
                 # read on while it runs: a client that hangs up is seen at once (and its call cancelled)

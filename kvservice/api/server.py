@@ -289,7 +289,7 @@ async def running_server(
         registrar.start()
         registrar_started = True
         reaper = asyncio.create_task(_reap_forever(cache, registrar), name="kvservice-reaper")
-        registry = make_registry(cache, asyncio.get_running_loop())
+        registry = make_registry(cache, asyncio.get_running_loop(), lookups.metrics)
         metrics = None
         if config.metrics_address:
             try:

@@ -18,7 +18,7 @@ import logging
 import re
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -174,10 +174,34 @@ def _on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
         return False
 
 
-def make_registry(cache: BlockCache, loop: asyncio.AbstractEventLoop | None = None) -> CollectorRegistry:
-    """kvservice_* from the cache, plus process_* (CPU, RSS, fds, start time) and python_* (GC, version)."""
+class ChannelCollector(Collector):
+    """The frames channel's figures (Lookup, Store and Load without gRPC): open connections, and
+    calls served by call, so an operator sees whether engines use it. `read()` returns (connections,
+    {call name: calls}); plain counters of the channel, read as they are at scrape time."""
+
+    def __init__(self, read: Callable[[], tuple[int, dict[str, int]]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        connections, calls = self._read()
+        yield GaugeMetricFamily("kvservice_frames_channel_connections",
+                                "Open engine connections to the frames channel (Lookup, Store, Load without gRPC)",
+                                value=connections)
+        c = CounterMetricFamily("kvservice_frames_channel_calls",
+                                "Calls served on the frames channel, by call (not counting gRPC calls)", labels=["call"])
+        for name, n in sorted(calls.items()):
+            c.add_metric([name], n)
+        yield c
+
+
+def make_registry(cache: BlockCache, loop: asyncio.AbstractEventLoop | None = None,
+                  channel: Callable[[], tuple[int, dict[str, int]]] | None = None) -> CollectorRegistry:
+    """kvservice_* from the cache (and the frames channel's figures, `channel`: a reader of them),
+    plus process_* (CPU, RSS, fds, start time) and python_* (GC, version)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(CacheCollector(cache, loop))
+    if channel is not None:
+        registry.register(ChannelCollector(channel))
     for standard in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
         registry.register(standard)  # stateless readers of /proc and the interpreter: shareable
     return registry
