@@ -1,12 +1,13 @@
-"""The engine's side of the Lookup channel: Lookup as frames on a plain Unix socket, no gRPC.
+"""The engine's side of the Lookup channel: Lookup (and, from AsyncKVClient's loop, Store and Load) as
+frames on a plain Unix socket, no gRPC.
 
     channel = LookupChannel(path, timeout)     # path: OpenSessionReply.lookup_socket
     reply = channel.call(framed)               # a framed LookupRequest -> ChannelReply; blocking
     channel.pipeline().send(framed, on_answer)  # the same, not blocking: on_answer(reply, failure)
     channel.close()                            # on the pipeline's reader thread
 
-    achannel = AsyncLookupChannel(path, timeout)   # the same for AsyncKVClient, in its event loop
-    reply = await achannel.call(request)
+    achannel = AsyncLookupChannel(path, timeout)   # AsyncKVClient's, in its event loop: any ChannelRequest
+    reply = await achannel.call(request)           # (serialized); a connection per call in flight, up to 8
     achannel.close()
 
 The daemon serves the same Lookup there as on gRPC (kvservice/api/lookup_channel.py, wire in

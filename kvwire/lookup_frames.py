@@ -1,4 +1,4 @@
-"""The Lookup channel's wire: KVCache.Lookup without gRPC, on a plain Unix stream socket.
+"""The Lookup channel's wire: KVCache.Lookup, Store and Load without gRPC, on a plain Unix stream socket.
 
   lookup_socket_path(socket_path)    where a daemon serves it: beside its gRPC socket
   frame(payload) -> bytes            a 4-byte little-endian length, then that many bytes
@@ -6,11 +6,12 @@
   request_frame(session_id, hashes)  frame(LookupRequest(session_id=..., hashes=b"".join(hashes))
                                      .SerializeToString()), the same bytes built in one join
 
-The engine sends LookupRequest frames, the daemon answers each with a ChannelReply frame,
-in the order asked (kvservice.v1, proto/kvservice/v1/kvcache.proto). Nothing else travels on it:
-no descriptors, no other call. Why it exists: gRPC Python's own empty unary round trip is
-0.4-0.6 ms, above the 0.3 ms a Lookup of 1024 hashes may take (DESIGN §7); a frame on a Unix
-socket costs ~0.02 ms.
+The engine sends ChannelRequest frames (a LookupRequest's bytes are one, of call LOOKUP; Store and
+Load name their call), the daemon answers each with a ChannelReply frame, in the order asked
+(kvservice.v1, proto/kvservice/v1/kvcache.proto). Nothing else travels on it: no descriptors, no
+other call. Why it exists: gRPC Python's own empty unary round trip is 0.4-0.6 ms, above the 0.3 ms
+a Lookup of 1024 hashes may take (DESIGN §7), and more than an engine's small Store or Load costs
+the daemon; a frame on a Unix socket costs ~0.02 ms.
 """
 
 from __future__ import annotations
