@@ -437,7 +437,7 @@ class AsyncKVClient:
             if got is UNANSWERED_REPLY:
                 return None
             if got is not None:
-                return got.store if rpc == "Store" else got.load
+                return got  # the fields of the StoreReply / LoadReply, codes as bytes (one per block)
         if isinstance(request, kvcache_pb2.ChannelRequest):
             request = _grpc_request(rpc, request)
         try:

@@ -110,6 +110,27 @@ def test_store_and_load_go_over_the_channel_and_answer_what_grpc_answers(daemon,
         assert tried == [] and fast.attached
 
 
+def test_per_block_messages_are_the_same_on_both_routes():
+    """Scenario: a namespace's retained-bytes cap (4 blocks) refuses the retention of the rest of a
+    Store: STORED_NOT_RETAINED with the cap's message, block by block, and a deadline only for the
+    retained ones. The channel's answer (codes as bytes) reads exactly as gRPC's for the same Store
+    of other hashes, in another namespace under the same cap."""
+    with Daemon(host_capacity="256KiB", disk_capacity="1MiB", extra=["--retained-cap", "16KiB"]) as d, \
+            ShmKVPool(64, BLOCK) as pool:
+        answers = []
+        for route, model in (("channel", "m-channel"), ("grpc", "m-grpc")):
+            with KVClient(d.target, Namespace(model, "float32", 16, "block-contiguous"), pool, client_name=route,
+                          lookup_channel=route == "channel") as c:
+                if route == "channel":
+                    refuse_grpc(c)
+                rs = c.store(c.hasher.hash_blocks(range(16 * 6)), list(range(6)), ttl_seconds=60)
+                answers.append([(r.status, r.deadline > 0, r.message) for r in rs])
+        assert answers[0] == answers[1]
+        assert [a[0] for a in answers[0]] == [STORED] * 4 + [kvcache_pb2.STORED_NOT_RETAINED] * 2
+        assert [a[1] for a in answers[0]] == [True] * 4 + [False] * 2
+        assert "retained-bytes cap" in answers[0][5][2] and answers[0][0][2] == ""
+
+
 def test_raw_frames_get_grpc_s_refusals(daemon, pool):
     """Scenario: a client sends Store and Load frames it should not: an unknown session, block ids
     that do not match the hashes, a call the channel does not know, a payload that is not a
@@ -140,7 +161,7 @@ def test_raw_frames_get_grpc_s_refusals(daemon, pool):
             assert got.code == "INVALID_ARGUMENT" and "not a ChannelRequest" in got.message
             got = raw_call(s, kvcache_pb2.ChannelRequest(call=kvcache_pb2.STORE, session_id=sid, hashes=chain[0],
                                                          block_ids=[3]))
-            assert not got.code and list(got.store.statuses) == [STORED]  # the connection still serves
+            assert not got.code and list(got.statuses) == [STORED]  # the connection still serves
         assert client.lookup(chain[:1]) == (1, [kvcache_pb2.TIER_HOST])
 
 
@@ -198,7 +219,7 @@ def test_a_store_running_when_the_daemon_stops_answers_and_later_frames_are_refu
                          "the framed Store to wait for the write queue")
                 d.proc.send_signal(signal.SIGTERM)
                 got = kvcache_pb2.ChannelReply.FromString(read_frame(s, 64 << 20))
-                assert not got.code and list(got.store.statuses) == [STORED] * 16, got
+                assert not got.code and list(got.statuses) == [STORED] * 16, got
                 try:
                     s.sendall(frame(request.SerializeToString()))
                     after = kvcache_pb2.ChannelReply.FromString(read_frame(s, 64 << 20))

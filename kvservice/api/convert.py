@@ -172,6 +172,18 @@ def load_reply(results: LoadResults) -> kvcache_pb2.LoadReply:
     return kvcache_pb2.LoadReply(statuses=results.status, tiers=results.tier, messages=_messages(results.messages))
 
 
+def store_channel_reply(results: StoreResults) -> kvcache_pb2.ChannelReply:
+    """store_reply's answer for the frames channel: the statuses one byte each (values < 256)."""
+    return kvcache_pb2.ChannelReply(statuses=bytes(results.status), deadlines=results.deadline or (),
+                                    messages=_messages(results.messages))
+
+
+def load_channel_reply(results: LoadResults) -> kvcache_pb2.ChannelReply:
+    """load_reply's answer for the frames channel: statuses and tiers one byte each."""
+    return kvcache_pb2.ChannelReply(statuses=bytes(results.status), tiers=bytes(results.tier),
+                                    messages=_messages(results.messages))
+
+
 def prefetch_reply(results: Sequence[PrefetchResult]) -> kvcache_pb2.PrefetchReply:
     return kvcache_pb2.PrefetchReply(
         results=[int(r.status) for r in results],

@@ -161,9 +161,9 @@ class LookupChannel:
             if request.call == kvcache_pb2.STORE:
                 results = await self._cache.store(sid, request.hashes, request.block_ids, request.ttl_seconds,
                                                   request.namespace_id)
-                return kvcache_pb2.ChannelReply(store=convert.store_reply(results))
+                return convert.store_channel_reply(results)
             loaded = await self._cache.load(sid, request.hashes, request.block_ids, request.namespace_id)
-            return kvcache_pb2.ChannelReply(load=convert.load_reply(loaded))
+            return convert.load_channel_reply(loaded)
         except CacheError as e:
             return _refusal(e.code.value, e.message)
         except Exception as e:

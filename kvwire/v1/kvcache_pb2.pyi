@@ -226,20 +226,22 @@ class ChannelRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[str] = ..., hashes: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., call: _Optional[_Union[ChannelCall, str]] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class ChannelReply(_message.Message):
-    __slots__ = ("prefix_blocks", "tiers", "code", "message", "store", "load")
+    __slots__ = ("prefix_blocks", "tiers", "code", "message", "statuses", "deadlines", "messages")
     PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    STORE_FIELD_NUMBER: _ClassVar[int]
-    LOAD_FIELD_NUMBER: _ClassVar[int]
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    DEADLINES_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     prefix_blocks: int
     tiers: bytes
     code: str
     message: str
-    store: StoreReply
-    load: LoadReply
-    def __init__(self, prefix_blocks: _Optional[int] = ..., tiers: _Optional[bytes] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., store: _Optional[_Union[StoreReply, _Mapping]] = ..., load: _Optional[_Union[LoadReply, _Mapping]] = ...) -> None: ...
+    statuses: bytes
+    deadlines: _containers.RepeatedScalarFieldContainer[float]
+    messages: _containers.RepeatedCompositeFieldContainer[BlockMessage]
+    def __init__(self, prefix_blocks: _Optional[int] = ..., tiers: _Optional[bytes] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., statuses: _Optional[bytes] = ..., deadlines: _Optional[_Iterable[float]] = ..., messages: _Optional[_Iterable[_Union[BlockMessage, _Mapping]]] = ...) -> None: ...
 
 class BlockMessage(_message.Message):
     __slots__ = ("index", "message")
