@@ -16,6 +16,7 @@
 # Run the phases that fit one call's 600 s (default: tests,bw,loadab,lookup ~ 8 min at most).
 # Run it from a snapshot of a commit so the live working tree's edits do not travel:
 #   rm -rf .lead/tree && mkdir -p .lead/tree && git archive HEAD | tar -x -C .lead/tree
+#   git rev-parse --short HEAD > .lead/tree/.commit
 #   then: cd .lead/tree && WHL_DIR=$OLDPWD/.whl bash scripts/device_session.sh   (carry .whl and .lead)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +29,8 @@ export PATH=/tmp/site/bin:$PATH NCCL_NVLS_ENABLE=0
 S=$OUT/summary.md
 T0=$(date +%s)
 say() { echo "$*" | tee -a "$S"; }
-say "# device session $(date -u +%FT%TZ), tree $(git rev-parse --short HEAD 2>/dev/null || echo archive), phases $PHASES"
+# the snapshot's commit: .commit, written beside the archive (git rev-parse inside it names the device copy's HEAD)
+say "# device session $(date -u +%FT%TZ), tree $(cat .commit 2>/dev/null || echo 'archive (no .commit)'), phases $PHASES"
 say "$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || echo 'no nvidia-smi')"
 BW=(python3 bench/gpu_bandwidth.py --layouts layer-first --reps 3 --skip datapath,disk --sizes 2048,256,64)
 phase() {  # phase NAME LIMIT CMD...: run, keep its output, append its table lines to the summary
