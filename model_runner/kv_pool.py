@@ -49,6 +49,15 @@ class PagedKVPool:
         buf = self._raw.buffer[:nbytes]  # the segment may be rounded up past the pool
         if buf.data_ptr() % elem:
             raise ValueError(f"pool buffer at {buf.data_ptr():#x} is not {elem}-byte aligned for {dtype}")
+        if self.device.type == "cuda":
+            # cudaMalloc hands back whatever an earlier allocation left (a shm segment starts zeroed):
+            # bit patterns that read as NaN or Inf in half precision. Slots no request wrote are read
+            # anyway where attention masks them by adding -inf (the padded CUDA-graph decode,
+            # LlamaModel.decode_padded), and NaN + -inf is NaN: one such slot turns a decode step's
+            # logits to garbage (H100, an engine started after another in the same process).
+            # Finished before any daemon copy can land in the pool (registration comes after).
+            buf.zero_()
+            torch.cuda.synchronize(self.device)
         self._bytes: torch.Tensor | None = buf.view(num_blocks, self._block_bytes)
         self._kv: torch.Tensor | None = buf.view(dtype).view(num_blocks, *self._block_shape)
 

@@ -393,6 +393,35 @@ def test_cuda_engines_share_blocks_exactly(shared: Daemon, engines: Callable[...
     assert again.kv_source in ("gpu", "loaded") and again.output_ids == first.output_ids
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_pool_starts_zeroed_where_freed_memory_held_nan() -> None:
+    """Scenario: device memory an earlier pool freed still holds 0xFF bytes (NaN in half precision);
+    a new engine pool that cudaMalloc puts in the same place reads as zeros. Unwritten slots are read
+    (masked by adding -inf) by the padded CUDA-graph decode, and NaN + -inf is NaN: on an H100 the
+    bfloat16 test above generated garbage tokens after the float32 one freed its pool."""
+    import gc
+
+    from model_runner.config import PRESETS
+    from model_runner.kv_pool import PagedKVPool
+
+    cfg = PRESETS["tiny"]
+    old = PagedKVPool(cfg, 64, TPB, torch.bfloat16, "cuda")
+    ptr = old.raw.buffer.data_ptr()
+    old.raw.buffer.fill_(255)
+    torch.cuda.synchronize()
+    old.close()
+    del old
+    gc.collect()
+    pool = PagedKVPool(cfg, 64, TPB, torch.bfloat16, "cuda")
+    try:
+        if pool.raw.buffer.data_ptr() != ptr:
+            pytest.skip("cudaMalloc did not hand the freed memory back to the new pool")
+        assert not torch.isnan(pool.kv).any() and bool((pool.kv == 0).all())
+    finally:
+        pool.close()
+
+
 # --- the request API
 
 
