@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 UNREACHABLE = "daemon unreachable"
 UNANSWERED: tuple[int, list[int]] = (0, [])  # a Lookup the client detached on (compared by identity)
 UNANSWERED_REPLY = kvcache_pb2.ChannelReply()  # a frames-channel call the client detached on (by identity)
-_CHANNEL_CALLS = {"Store": kvcache_pb2.STORE, "Load": kvcache_pb2.LOAD}  # what else goes on the frames channel
+_CHANNEL_CALLS = frozenset(("Store", "Load"))  # what else goes on the frames channel
 # A Store or Load answer on the frames channel: a status (and deadline or tier) a block, plus the messages
 # of the exceptions; the largest valid batch's answer with a message for every block stays far under it.
 MAX_DATA_REPLY_BYTES = 256 << 20

@@ -22,17 +22,11 @@ from kvwire.lookup_frames import frame, lookup_socket_path, read_frame
 from kvwire.v1 import kvcache_pb2, kvcache_pb2_grpc
 from tests.corekit import content, h
 from tests.engine_kit import EngineProc
-from tests.test_lookup_channel import STRANGER, as_stranger, needs_root
+from tests.test_lookup_channel import STRANGER, as_stranger, daemon, needs_root  # noqa: F401  (daemon: a fixture)
 from tests.test_store_cancellation import STORED, assert_nothing_left_and_others_store, slow_disk_daemon, wait_for
 
 NS = Namespace("frames-channel", "float32", 16, "block-contiguous")
 BLOCK = 4096
-
-
-@pytest.fixture
-def daemon() -> Iterator[Daemon]:
-    with Daemon(host_capacity="256KiB", disk_capacity="1MiB", lease_seconds=5) as d:
-        yield d
 
 
 @pytest.fixture
