@@ -285,8 +285,9 @@ def host_tier(pool, workdir: Path, sizes: list[int], batch: int, reps: int,
                 spy = contextlib.ExitStack()
                 try:
                     if pyspy_dir:  # the rounds only: not the client's connect, not the Evict below
-                        spy.enter_context(recording(
-                            d.proc.pid, os.path.join(pyspy_dir, f"host-{batch >> 20}MiB-{layout}-{kib}KiB.txt")))
+                        spy.enter_context(recording(  # KVBENCH_PYSPY_GIL=1: only the thread holding the GIL
+                            d.proc.pid, os.path.join(pyspy_dir, f"host-{batch >> 20}MiB-{layout}-{kib}KiB.txt"),
+                            gil=os.environ.get("KVBENCH_PYSPY_GIL") == "1"))
                     st, lt, dst_t, dlt, exact, first = [], [], [], [], True, 0.0
                     rounds: list[list[float]] = []  # per round: store, daemon's store, load, daemon's load (ms)
                     for rep in range(reps + WARMUP):

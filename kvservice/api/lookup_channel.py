@@ -39,6 +39,7 @@ from kvservice.api import convert
 from kvservice.api.registration import UidPolicy
 from kvservice.core.cache import BlockCache
 from kvservice.core.types import CacheError, ErrorCode, SessionId
+from kvservice.ops.trace import TRACE
 from kvwire.lookup_frames import HEADER, frame
 from kvwire.peer_socket import peer_credentials
 from kvwire.v1 import kvcache_pb2
@@ -271,6 +272,7 @@ class _Connection(asyncio.Protocol):
                 out.append(frame(ch.answer_lookup(self._uid, request).SerializeToString()))
             else:
                 # read on while it runs: a client that hangs up is seen at once (and its call cancelled)
+                TRACE.mark(0, "channel.received")
                 self._task = asyncio.get_running_loop().create_task(ch.answer_data(self._uid, request))
                 self._task.add_done_callback(self._answered)
                 break
@@ -285,6 +287,7 @@ class _Connection(asyncio.Protocol):
         if task.cancelled() or transport is None or transport.is_closing():
             return  # the connection closed: nobody to answer
         self._write([frame(task.result().SerializeToString())])
+        TRACE.mark(0, "channel.sent")
         if not self._writes_paused:
             transport.resume_reading()
         if self._buf:

@@ -48,6 +48,7 @@ from kvservice.core.load_path import LoadPath
 from kvservice.core.prefetch_path import PrefetchPath
 from kvservice.core.store_path import StorePath
 from kvservice.core.types import HASH_BYTES, BlockHash, BlockKey, CacheError, ErrorCode, NamespaceId, SessionId, Tier
+from kvservice.ops.trace import TRACE
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ class BlockCache(StorePath, LoadPath, PrefetchPath):
         self._copy_pool.shutdown(wait=True)
         if self.arena is not None:
             self.arena.close()
+        TRACE.dump()  # KVTUNE_TRACE: the call timelines (a no-op when off)
 
     @property
     def _t(self) -> Tiers:

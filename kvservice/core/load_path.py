@@ -22,6 +22,7 @@ from kvservice.core.sessions import Session
 from kvservice.core.types import LoadResults, LoadStatus, SessionId, Tier
 from kvservice.disk.io_backend import BlockIOError
 from kvservice.memory.host_arena import HostArena
+from kvservice.ops.trace import TRACE
 from kvservice.placement.index import DiskState, Entry
 
 _slot_of = operator.attrgetter("slot")
@@ -39,6 +40,7 @@ class LoadPath:
         s = self._session(session_id, namespace_id)
         hs = self._hashes(hashes)
         ids = self._block_ids(s, len(hs), block_ids)
+        call = TRACE.begin("load", len(hs))
         t = self._t
         life = t.life
         results = LoadResults(len(hs))
@@ -61,11 +63,13 @@ class LoadPath:
                 status[i] = LoadStatus.MISSING
             self.stats.bump(s.namespace, "load_misses", len(missing))
         life.pin(found)
+        TRACE.mark(call, "pinned")
         if slots is not None and len(found) > 2 * pipeline.PIPELINE_BLOCKS:  # all host hits, many: copied in parts
-            await self._load_host_parts(s, found, bids, slots)
+            await self._load_host_parts(s, found, bids, slots, call)
             self._answer_loaded(results, pos, len(found))
             self.stats.bump(s.namespace, "loads_host", len(found))
             self._load_latency.observe(time.perf_counter() - t0)
+            TRACE.mark(call, "end")
             return results
         handed_over = False  # once the scatter runs, its thread drops the pins when it is done
         try:
@@ -73,8 +77,10 @@ class LoadPath:
                 s, pos, bids, found, results)
             if host_ids or srcs:
                 handed_over = True
+                TRACE.mark(call, "submitted")
                 await self._copy(_scatter, s.memory, t.host.arena, host_ids, host_slots, disk_ids, srcs,
                                  on_abandon=lambda: life.unpin(found))
+                TRACE.mark(call, "copied")
             status, tiers = results.status, results.tier
             loaded = int(LoadStatus.LOADED)
             if len(served) == len(status):  # all served, in order: whole-array results
@@ -101,9 +107,11 @@ class LoadPath:
             raise
         self._load_latency.observe(time.perf_counter() - t0)
         pipeline.fail_unanswered(results, LoadStatus.FAILED)
+        TRACE.mark(call, "end")
         return results
 
-    async def _load_host_parts(self, s: Session, found: list[Entry], bids: list[int], slots: list[int]) -> None:
+    async def _load_host_parts(self, s: Session, found: list[Entry], bids: list[int], slots: list[int],
+                               call: int = 0) -> None:
         """Copy pinned host blocks to the engine in parts (_parts), at most pipeline.PIPELINE_DEPTH copies in
         flight: each part's bookkeeping (reuse, leases used, its pins) runs beside the next part's
         copy, the chain's LRU refresh beside the last ones. Every pin is dropped: a part's when its
@@ -119,8 +127,10 @@ class LoadPath:
                 copy, enq = pipeline.copy_call(s.memory, "scatter_from", loop)
                 jobs.append((loop.run_in_executor(self._copy_pool, copy, bids[lo:hi], t.host.arena, slots[lo:hi]),
                              lo, hi))
+                TRACE.mark(call, "submitted")
                 if enq is not None:  # any bookkeeping once this copy is queued (or over): pipeline.LOAD_ENQUEUE_FIRST
                     await asyncio.wait((enq, jobs[-1][0]), return_when=asyncio.FIRST_COMPLETED)
+                    TRACE.mark(call, "enqueued")
                 if hi >= n:  # beside the last copies: head newest, as one chain (a failed copy leaves it
                     t.host.touch(found)  # refreshed, which is harmless)
                     if t.disk is not None:
@@ -128,6 +138,7 @@ class LoadPath:
                 while len(jobs) - done >= pipeline.PIPELINE_DEPTH or (done < len(jobs) and hi >= n):
                     fut, a, b = jobs[done]
                     await asyncio.shield(fut)
+                    TRACE.mark(call, "copied")
                     part = found[a:b]
                     life.loaded(s.id, part)
                     life.unpin(part)

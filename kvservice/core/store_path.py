@@ -20,6 +20,7 @@ from kvservice.core import pipeline
 from kvservice.core.lifecycle import Reservation, is_mark
 from kvservice.core.sessions import Session
 from kvservice.core.types import SessionId, StoreResults, StoreStatus, Tier
+from kvservice.ops.trace import TRACE
 from kvservice.placement.index import DiskState, Entry
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class StorePath:
         s = self._session(session_id, namespace_id)
         hs = self._hashes(hashes)
         ids = self._block_ids(s, len(hs), block_ids)
+        call = TRACE.begin("store", len(hs))
         self.namespaces.check_canary(s.namespace, s.canary)  # another session may have fixed it since
         t = self._t
         life = t.life
@@ -71,11 +73,12 @@ class StorePath:
             res = life.reserve_lazily(blocks, ns, new_hashes, size, now)
             assert res is not None
         touched.extend((i, blocks[hs[i]]) for i in dups)
+        TRACE.mark(call, "reserved")
         try:
             pending = await self._store_hits(touched, ttl, now, results) if touched else []
             if res is not None:
                 await self._store_new(s, new_pos, res, ids if len(new_pos) == len(ids) else [ids[i] for i in new_pos],
-                                      ttl, now, results)
+                                      ttl, now, results, call)
                 life.finish(res)  # our own hashes twice in the batch (pending) wait for this
             if pending:  # after our own blocks: two Stores that wait for each other's both commit first
                 await self._store_pending(pending, hs, blocks, ttl, now, results)
@@ -87,6 +90,7 @@ class StorePath:
             log.info("namespace %s: hash canary fixed by session %s, its first store", s.namespace, s.label)
         self._store_latency.observe(time.perf_counter() - t0)
         pipeline.fail_unanswered(results, StoreStatus.FAILED)
+        TRACE.mark(call, "end")
         return results
 
     async def _store_hits(self, touched: list[tuple[int, Entry]], ttl: float, now: float,
@@ -149,7 +153,7 @@ class StorePath:
         await self._answer_already_stored(stored, ttl, now, results)
 
     async def _store_new(self, s: Session, pos: list[int], res: Reservation, bids: list[int], ttl: float,
-                         now: float, results: StoreResults) -> None:
+                         now: float, results: StoreResults, call: int = 0) -> None:
         """Copy new blocks in, head first, in chunks the host tier can hold: a batch larger than
         the host tier streams through it (earlier chunks spill as later ones arrive)."""
         t = self._t
@@ -157,7 +161,7 @@ class StorePath:
         n = len(res)
         for lo in range(0, n, chunk):
             hi = lo + chunk
-            stored = await self._store_chunk(s, pos[lo:hi], res, bids[lo:hi], ttl, now, results)
+            stored = await self._store_chunk(s, pos[lo:hi], res, bids[lo:hi], ttl, now, results, call)
             if not stored:
                 t.life.release_unbuilt(res)
                 for i in pos[hi:]:
@@ -165,7 +169,7 @@ class StorePath:
                 return
 
     async def _store_chunk(self, s: Session, pos: list[int], res: Reservation, bids: list[int], ttl: float,
-                           now: float, results: StoreResults) -> bool:
+                           now: float, results: StoreResults, call: int = 0) -> bool:
         """Store what fits of one chunk (the next len(pos) hashes of res); False when some of it did
         not fit. Plan (evict, no await), wait for the spills that make the room, take slots, build the
         reserved entries (Lifecycle.build) and place the slots on them, copy
@@ -189,20 +193,24 @@ class StorePath:
             for lo, hi in pipeline.parts(n):
                 want = hi - lo
                 fit, offsets = await self._host_room(s.block_bytes, want, now)
+                TRACE.mark(call, "room")
                 if fit:
                     placed = life.build(res, fit)
                     life.place(placed, offsets)
                     copy, enq = pipeline.copy_call(s.memory, "gather_into", loop, hi < n)
                     jobs.append((loop.run_in_executor(self._copy_pool, copy, bids[lo:lo + fit], t.host.arena, offsets),
                                  placed))
+                    TRACE.mark(call, "submitted")
                     placed_n = lo + fit
                     if enq is not None:  # the next plan once this copy is queued (or over): see pipeline.ENQUEUE_FIRST
                         await asyncio.wait((enq, jobs[-1][0]), return_when=asyncio.FIRST_COMPLETED)
+                        TRACE.mark(call, "enqueued")
                 if fit < want:  # head first: when only part of the chain fits, keep its prefix
                     self._refuse_rest(s, pos[lo + fit:], res, lo + fit, n, now, results)
                     break
                 while len(jobs) - waited >= pipeline.PIPELINE_DEPTH or (waited < len(jobs) and hi >= n):
                     sums += await asyncio.shield(jobs[waited][0])
+                    TRACE.mark(call, "copied")
                     waited += 1
         except BaseException:
             for fut, placed in jobs[waited:] if waited < len(jobs) else ():
@@ -224,6 +232,7 @@ class StorePath:
             waited += 1
         placed = res.entries[first:first + placed_n]
         life.commit(placed, sums)
+        TRACE.mark(call, "committed")
         self.stats.bump(s.namespace, "stores", placed_n)
         status = results.status
         if not ttl:

@@ -59,6 +59,7 @@ from kvservice.memory.engine_pool import InFlight, validate_layout
 from kvservice.memory.host_arena import HostArena, runs
 from kvservice.core.sessions_api import PoolSpec
 from kvservice.core.types import CacheError, ErrorCode
+from kvservice.ops.trace import TRACE
 
 log = logging.getLogger(__name__)
 
@@ -709,6 +710,7 @@ class CudaEngineMemory:
         n_all = len(block_ids)
         if n_all == 0:
             return []
+        TRACE.mark(0, "gather.start")
         offs = np.asarray(offsets, dtype=np.int64)
         chunks = chunk_rows(n_all, bb)
         gpu_crc = _gpu_crc_for(self._dev) if with_checksums and crc_segment_bytes(bb) else None
@@ -739,6 +741,7 @@ class CudaEngineMemory:
                         free_after[slot] = ev = lane.dma.record_event()
                     done.append((lo, k, ev))
                     lo += k
+                TRACE.mark(0, "gather.queued")
                 if enqueued is not None:
                     enqueued()
                 sums: list[int] = []
@@ -759,6 +762,7 @@ class CudaEngineMemory:
                     sums.extend(f.result())
             finally:
                 lane.synchronize()
+        TRACE.mark(0, "gather.done")
         return sums
 
     def scatter(self, block_ids: Sequence[int], srcs: Sequence[torch.Tensor]) -> None:
@@ -792,6 +796,7 @@ class CudaEngineMemory:
         if n_all == 0:
             return
         chunks = chunk_rows(n_all, bb)
+        TRACE.mark(0, "scatter.start")
         with self._inflight, torch.cuda.device(self._dev.index), self._dev.lane() as lane:
             try:
                 staging = lane.staging(chunks[0] * bb)
@@ -812,10 +817,12 @@ class CudaEngineMemory:
                         self._scatter_dev(idx[lo:lo + k], staged)
                         free_after[slot] = lane.kernels.record_event()
                     lo += k
+                TRACE.mark(0, "scatter.queued")
                 if enqueued is not None:
                     enqueued()
             finally:
                 lane.synchronize()  # the Load reply promises the bytes are in the engine's memory
+        TRACE.mark(0, "scatter.done")
 
     def _copy_runs_out(self, staged: torch.Tensor, base: torch.Tensor, spans: Sequence[tuple[int, int, int]],
                        stream: torch.cuda.Stream) -> None:

@@ -1,0 +1,76 @@
+"""Read a daemon's call timelines (KVTUNE_TRACE=FILE, kvservice/ops/trace.py) and print where each
+Store's and Load's wall time goes: per call kind and size, each stage's time from the call's start
+(median over the calls after the first, and the first call's own), in the order they happen.
+
+    .venv/bin/python bench/trace_timeline.py FILE [--skip 0]
+
+Stages: store = validated and reserved (`reserved`), per part the host room made (`room`), the copy
+handed to a copy thread (`submitted`), queued on the device (`enqueued`), its end awaited (`copied`),
+`committed`, `end`; load = `pinned`, `submitted`, `copied`, `end`. The copy threads' own stamps
+(gather.* / scatter.*: start, every chunk queued, done) are those inside the call's window, in time
+order; `channel.received` / `channel.sent` are the frames channel's last receipt before the call and
+first reply after it (the daemon's share outside the core). A stage marked N times shows as tag#k.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+
+
+def calls(path: str) -> dict[str, list[list[tuple[str, float]]]]:
+    """kind:n -> per call, its (stage, ms from the call's start), in time order."""
+    events = [json.loads(line) for line in open(path)]
+    events.sort(key=lambda e: e["t"])
+    by_call: dict[int, list[dict]] = collections.defaultdict(list)
+    free: list[dict] = []  # copy threads' and the channel's stamps (call 0)
+    for e in events:
+        (by_call[e["call"]] if e["call"] else free).append(e)
+    out: dict[str, list[list[tuple[str, float]]]] = collections.defaultdict(list)
+    for cid in sorted(by_call):
+        evs = by_call[cid]
+        kind, t0 = evs[0]["tag"], evs[0]["t"]
+        t1 = evs[-1]["t"]
+        stages = [(e["tag"], e["t"]) for e in evs[1:]]
+        before = [e for e in free if e["tag"] == "channel.received" and e["t"] <= t0]
+        if before:
+            stages.append(("channel.received", before[-1]["t"]))
+        after = [e for e in free if e["tag"] == "channel.sent" and e["t"] >= t1]
+        if after:
+            stages.append(("channel.sent", after[0]["t"]))
+        stages += [(e["tag"], e["t"]) for e in free if t0 <= e["t"] <= t1 and not e["tag"].startswith("channel")]
+        stages.sort(key=lambda x: x[1])
+        seen: collections.Counter = collections.Counter()
+        row = []
+        for tag, t in stages:
+            seen[tag] += 1
+            row.append((f"{tag}#{seen[tag]}" if seen[tag] > 1 else tag, 1e3 * (t - t0)))
+        out[kind].append(row)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("file")
+    p.add_argument("--skip", type=int, default=1, help="calls of each kind left out of the median (warm-up)")
+    a = p.parse_args()
+    for kind, rows in calls(a.file).items():
+        steady = rows[a.skip:] or rows
+        order: dict[str, float] = {}
+        for r in steady:
+            for tag, ms in r:
+                order.setdefault(tag, ms)
+        med = {tag: statistics.median([ms for r in steady for t, ms in r if t == tag]) for tag in order}
+        first = dict(rows[0])
+        print(f"\n### {kind} ({len(rows)} calls; median of {len(steady)} after the first {len(rows) - len(steady)})")
+        print("| stage | ms from start (median) | first call |")
+        print("| --- | ---: | ---: |")
+        for tag in sorted(med, key=med.get):
+            f = first.get(tag)
+            print(f"| {tag} | {med[tag]:.2f} | {'' if f is None else f'{f:.2f}'} |")
+
+
+if __name__ == "__main__":
+    main()
