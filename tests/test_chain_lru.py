@@ -1,17 +1,23 @@
-"""ChainLRU (kvservice.placement.lru) keeps the order an OrderedDict with move_to_end would: it is a
-plain dict whose refreshes pop and re-insert a batch, so random touches, refreshes, discards and
-additions (chains with an entry twice among them) are checked against that reference."""
+"""ChainLRU and StampLRU (kvservice.placement.lru) keep the order an OrderedDict with move_to_end
+would: ChainLRU is a plain dict whose refreshes pop and re-insert a batch, StampLRU a deque of groups
+whose members carry their own position (stale references skipped, trimmed, compacted), so random
+touches, refreshes, discards and additions (chains with an entry twice among them) are checked
+against that reference, and StampLRU's stale references stay bounded."""
 
 from __future__ import annotations
 
 import random
 from collections import OrderedDict
 
-from kvservice.placement.lru import ChainLRU
+import pytest
+
+from kvservice.placement.lru import ChainLRU, StampLRU
 
 
 class _Block:
-    """Stands for an Entry: the LRU keys by identity only."""
+    """Stands for an Entry: ChainLRU keys by identity only, StampLRU writes its position field."""
+
+    lru_pos = 0
 
 
 class _Reference:
@@ -26,13 +32,14 @@ class _Reference:
                 self.order[e] = e
 
 
-def test_order_matches_an_ordered_dict_with_move_to_end():
+@pytest.mark.parametrize("cls", [ChainLRU, StampLRU])
+def test_order_matches_an_ordered_dict_with_move_to_end(cls):
     """Scenario: 2000 random runs of 20 steps each over 30 blocks; after every step the oldest-first
     order is the reference's."""
     rng = random.Random(10)
-    blocks = [_Block() for _ in range(30)]
     for run in range(2000):
-        lru, ref = ChainLRU(), _Reference()
+        blocks = [_Block() for _ in range(30)]  # fresh: a StampLRU's members carry their position
+        lru, ref = cls(), _Reference()
         for step in range(20):
             op = rng.randrange(4)
             chain = [rng.choice(blocks) for _ in range(rng.randrange(7))]
@@ -53,3 +60,34 @@ def test_order_matches_an_ordered_dict_with_move_to_end():
             assert list(lru.oldest_first()) == list(ref.order), (run, step)
             assert len(lru) == len(ref.order)
             assert all(e in lru for e in ref.order)
+
+
+def test_stamp_lru_keeps_its_stale_references_bounded_and_refuses_changes_mid_iteration():
+    """A hot chain refreshed 10,000 times and a tier that evicts from the front as it fills: the
+    groups hold at most ~2 x the members (+ a constant) and the order stays the reference's; a
+    change while oldest_first() is being walked raises, as a dict changed during iteration does."""
+    rng = random.Random(3)
+    lru, ref = StampLRU(), _Reference()
+    hot = [_Block() for _ in range(64)]
+    lru.add_new(hot)
+    ref.touch(hot, present_only=False)
+    for step in range(10_000):
+        if step % 3 == 0:
+            new = [_Block() for _ in range(rng.randrange(1, 40))]
+            lru.add_new(new)
+            ref.touch(new, present_only=False)
+        else:
+            lru.touch_present(hot)
+            ref.touch(hot, present_only=True)
+        if len(ref.order) > 2000:  # evict the oldest 500 not in the hot chain
+            old = [e for e in list(ref.order)[:600] if e not in hot][:500]
+            lru.discard_many(old)
+            for e in old:
+                del ref.order[e]
+        assert lru._refs <= 2 * len(lru) + 4096 + 64
+    assert list(lru.oldest_first()) == list(ref.order) and len(lru) == len(ref.order)
+    it = lru.oldest_first()
+    next(it)
+    lru.touch_present(hot[:1])
+    with pytest.raises(RuntimeError):
+        list(it)

@@ -52,18 +52,19 @@ def test_prefix_tiers_matches_the_walk():
 def test_entry_fields_and_constructor_are_unchanged_by_the_lookup_layout():
     """Entry keeps the Lookup's fields (ready, slot, disk) in a base class's slots, first in the
     object; its dataclass fields, their order and positional construction (the disk tier's
-    restart builds entries so) are what they were."""
+    restart builds entries so) are what they were, with lru_pos (the host LRU's StampLRU position)
+    added last."""
     names = ["namespace", "hash", "size", "checksum", "stored_at", "deadline", "reuse", "slot", "spilling", "staged",
              "release_pending", "disk", "disk_path", "disk_loc", "disk_deadline", "pins", "lease_until",
-             "lease_owner", "ready"]
+             "lease_owner", "ready", "lru_pos"]
     assert list(Entry.__dataclass_fields__) == names
     assert Entry.__mro__[1].__slots__ == ("ready", "slot", "disk")
     values = [NS, b"h" * 32, 4096, 7, 1.5, 2.5, 3, 8192, True, True, True, DiskState.ON_DISK, "p", 9, 4.5, 2, 5.5,
-              "owner", False]
+              "owner", False, 17]
     e = Entry(*values)
     assert [getattr(e, n) for n in names] == values
     d = Entry(NS, b"h" * 32, 4096, 0, 0.0)
     assert (d.slot, d.disk, d.ready, d.pins) == (-1, DiskState.NONE, True, 0)
     assert not hasattr(d, "__dict__")  # still slotted: no per-entry dict
     r = reserved_entry(NS, b"r" * 32, 4096, 0.0)
-    assert (r.slot, r.disk, r.ready, r.pins) == (-1, DiskState.NONE, False, 1)
+    assert (r.slot, r.disk, r.ready, r.pins, r.lru_pos) == (-1, DiskState.NONE, False, 1, 0)

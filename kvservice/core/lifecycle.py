@@ -62,7 +62,7 @@ from kvservice.core.types import BlockHash, NamespaceId, SessionId
 
 _ENTRY_FIELDS = ("namespace", "hash", "size", "checksum", "stored_at", "deadline", "reuse", "slot", "spilling", "staged",
                  "release_pending", "disk", "disk_path", "disk_loc", "disk_deadline", "pins", "lease_until",
-                 "lease_owner", "ready")
+                 "lease_owner", "ready", "lru_pos")
 assert tuple(Entry.__dataclass_fields__) == _ENTRY_FIELDS, "index.reserved_entry sets every field of Entry"
 
 

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from kvservice.placement.index import Entry
-from kvservice.placement.lru import ChainLRU
+from kvservice.placement.lru import StampLRU
 from kvservice.placement.tier_counts import TierCounts
 from kvservice.memory.host_arena import HostArena
 
@@ -46,7 +46,7 @@ class HostTier:
         self.used_bytes = 0
         self.staged_bytes = 0  # bytes of victims whose spill is queued or being written, on the staging budget
         self.loose_bytes = 0  # of used_bytes: slots alloc() took that no block holds yet (disk reads in flight)
-        self._lru = ChainLRU()
+        self._lru = StampLRU()
         self.spilling: dict[int, Entry] = {}  # evicted, slot held until the spill is written; by id(), oldest first
         # those of them still on the tier's capacity (not staged), oldest first; an OrderedDict: the
         # oldest is taken from the front, O(1) (a dict's front would be a run of deleted slots)

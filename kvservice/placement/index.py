@@ -54,6 +54,7 @@ class Entry(_LookupFields):
     lease_until: float = 0.0  # prefetch lease: evictable again after this
     lease_owner: str = ""  # session that holds the prefetch lease
     ready: bool = True  # False while a Store is still copying its bytes in
+    lru_pos: int = 0  # its place in the host tier's LRU (placement.lru.StampLRU); 0: not in it
 
     @property
     def key(self) -> BlockKey:
@@ -112,6 +113,7 @@ def reserved_entry(namespace: NamespaceId, hash: BlockHash, size: int, stored_at
     e.lease_until = 0.0
     e.lease_owner = ""
     e.ready = False
+    e.lru_pos = 0
     return e
 
 

@@ -70,3 +70,136 @@ class ChainLRU:
 
     def values(self) -> Iterable[Entry]:
         return self._order.values()
+
+
+class StampLRU:
+    """ChainLRU's order and interface with no dict: each member carries its own position, an int
+    field of the entry (`lru_pos`, 0: not a member), and the order is a deque of groups - one per
+    touch / add, the entries in the order they were appended (oldest first) - whose members are
+    valid where entry.lru_pos still names their place (base of the group + index). A refresh writes
+    one int per entry and appends one group; what it leaves behind in older groups is stale and
+    skipped. Why: a dict keyed by entry costs a hashed insert (and a pop, on refresh) per block on
+    a ~100k-entry table that misses the CPU caches; this writes the entry the caller just touched.
+    Stale references are dropped from the front as the oldest go (trim, amortised O(1)) and by a
+    rebuild once they outnumber the members (compact, amortised O(1) a refresh).
+    One entry belongs to at most one StampLRU (the host tier's); the disk tier keeps a ChainLRU."""
+
+    __slots__ = ("_groups", "_next", "_count", "_refs", "_version")
+
+    def __init__(self) -> None:
+        self._groups: deque[list] = deque()  # [base, members, first index not known stale]
+        self._next = 1  # the next position handed out (0 means "not a member")
+        self._count = 0
+        self._refs = 0  # references held by the groups, stale ones included
+        self._version = 0  # bumped by every change: an iteration across one raises, as a dict's would
+
+    def _append(self, members: list[Entry]) -> None:
+        """Append members (oldest first, each at most once as a valid position: a later occurrence
+        overrides an earlier one, as moving it to the end again would)."""
+        if not members:
+            return
+        base = self._next
+        added = 0
+        for i, e in enumerate(members, base):
+            if not e.lru_pos:
+                added += 1
+            e.lru_pos = i
+        self._next = base + len(members)
+        self._count += added
+        self._groups.append([base, members, 0])
+        self._refs += len(members)
+        self._version += 1
+        if self._refs > 2 * self._count + 4096:
+            self._compact()
+
+    def touch(self, chain: Sequence[Entry]) -> None:
+        """Insert or refresh entries given head first; the head ends up most recent."""
+        self._append(chain[::-1])
+
+    def add_new(self, chain: Sequence[Entry]) -> None:
+        """touch() for entries not in the order (a Store's new blocks), head first."""
+        self._append(chain[::-1])
+
+    def touch_present(self, chain: Sequence[Entry]) -> None:
+        """Refresh those of the entries (head first) that are in the order; others are left out."""
+        self._append([e for e in reversed(chain) if e.lru_pos])
+
+    def append_newest(self, entries: Sequence[Entry]) -> None:
+        """Add entries not yet in the order, oldest first, as the most recent."""
+        self._append(list(entries))
+
+    def discard(self, entry: Entry) -> None:
+        if entry.lru_pos:
+            entry.lru_pos = 0
+            self._count -= 1
+            self._version += 1
+            self._trim()
+
+    def discard_many(self, entries: Iterable[Entry]) -> None:
+        gone = 0
+        for e in entries:
+            if e.lru_pos:
+                e.lru_pos = 0
+                gone += 1
+        if gone:
+            self._count -= gone
+            self._version += 1
+            self._trim()
+
+    def _trim(self) -> None:
+        """Drop the stale references at the front (the oldest went first: eviction's usual case)."""
+        groups = self._groups
+        while groups:
+            g = groups[0]
+            base, members, i = g
+            n = len(members)
+            while i < n and members[i].lru_pos != base + i:
+                i += 1
+            if i < n:
+                self._refs -= i - g[2]
+                g[2] = i
+                break
+            groups.popleft()
+            self._refs -= n - g[2]
+        if self._refs > 2 * self._count + 4096:  # stale ones left in the middle (refreshed entries)
+            self._compact()
+
+    def _compact(self) -> None:
+        """One group of the members in order, at fresh positions."""
+        live = list(self._valid())
+        self._groups.clear()
+        self._refs = 0
+        self._count = 0
+        for e in live:
+            e.lru_pos = 0
+        self._append(live)
+
+    def _valid(self) -> Iterator[Entry]:
+        for base, members, start in self._groups:
+            for i in range(start, len(members)):
+                e = members[i]
+                if e.lru_pos == base + i:
+                    yield e
+
+    def __contains__(self, entry: Entry) -> bool:
+        return entry.lru_pos != 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def oldest_first(self) -> Iterator[Entry]:
+        """Members, oldest first. Callers plan first and change the order after: a change while
+        this runs raises RuntimeError (as iterating a dict that changed size does)."""
+        version = self._version
+        for base, members, start in self._groups:
+            if self._version != version:
+                raise RuntimeError("StampLRU changed during iteration")
+            for i in range(start, len(members)):
+                e = members[i]
+                if e.lru_pos == base + i:
+                    yield e
+        if self._version != version:
+            raise RuntimeError("StampLRU changed during iteration")
+
+    def values(self) -> Iterable[Entry]:
+        return self._valid()
