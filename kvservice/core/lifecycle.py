@@ -6,7 +6,7 @@
     rollback: a Store cancelled at any await, a dead client, a failed copy, no room. An ABORTED entry is
     out of the index at once (the hash can be stored again); its slot stays taken, on the host tier's
     room, until the copy thread that writes into it is done (its pin), then goes back to the arena.
-    A Store holds all its new hashes from the start (reserve_lazily: each maps to the Store's one
+    A Store holds all its new hashes from the start (reserve_found: each maps to the Store's one
     `mark`, a not-ready Entry without a hash) and builds their RESERVED entries part by part (build),
     each part's beside the copy of the part before; finish() drops the hashes never built.
 
@@ -54,7 +54,7 @@ from kvservice.disk.disk_tier import DiskTier
 from kvservice.memory.host_tier import HostTier
 from kvservice.placement.index import DiskState
 from kvservice.ops.stats import CounterSet
-from kvservice.placement.index import BlockIndex, Entry, reserved_entry
+from kvservice.placement.index import BlockIndex, Entry, reserved_entries, reserved_entry
 from kvservice.placement.retention import Retention
 from kvservice.placement.tier_counts import NamespaceCounts, TierCounts
 from kvservice.core.types import BlockHash, NamespaceId, SessionId
@@ -63,7 +63,7 @@ from kvservice.core.types import BlockHash, NamespaceId, SessionId
 _ENTRY_FIELDS = ("namespace", "hash", "size", "checksum", "stored_at", "deadline", "reuse", "slot", "spilling", "staged",
                  "release_pending", "disk", "disk_path", "disk_loc", "disk_deadline", "pins", "lease_until",
                  "lease_owner", "ready", "lru_pos")
-assert tuple(Entry.__dataclass_fields__) == _ENTRY_FIELDS, "index.reserved_entry sets every field of Entry"
+assert tuple(Entry.__dataclass_fields__) == _ENTRY_FIELDS, "index.reserved_entries sets every field of Entry"
 
 
 def in_host_tier(e: Entry) -> bool:
@@ -153,7 +153,7 @@ class Lifecycle:
         hash sees them); each holds one pin, the reserving call's, until commit or rollback. The
         hashes are not in `blocks`; None (nothing reserved) when one of them is there twice: the
         dict grew by fewer than len(hashes), which costs nothing to see (no set of the batch)."""
-        entries = list(map(reserved_entry, repeat(ns), hashes, repeat(size), repeat(now)))
+        entries = reserved_entries(ns, hashes, size, now)
         before = len(blocks)
         blocks.update(zip(hashes, entries))
         if len(blocks) - before < len(entries):
@@ -162,26 +162,29 @@ class Lifecycle:
             return None
         return entries
 
-    def reserve_lazily(self, blocks: dict[bytes, Entry], ns: NamespaceId, hashes: Sequence[bytes], size: int,
-                       now: float) -> Reservation | None:
-        """reserve() with the entries built later, part by part (build): the hashes map to the
-        reservation's mark meanwhile. None (nothing reserved) when a hash is there twice."""
-        r = Reservation(blocks, ns, hashes, size, now)
+    def reserve_found(self, blocks: dict[bytes, Entry], ns: NamespaceId, hashes: Sequence[bytes], size: int,
+                      now: float) -> tuple[Reservation, list[Entry], int]:
+        """The batch's lookup and its new hashes' reservation in one pass over the dict
+        (dict.setdefault: the probe and the insert are one): every hash not in `blocks` maps to a
+        new Reservation's mark from now on, its entry built later, part by part (build). Returns (r, found, added): found[i] is what hashes[i] maps to - an entry stored
+        or being stored (another Store's mark included), or r.mark where this call holds it (also the
+        later places of a hash twice in the batch) - and added, how many hashes r holds. The caller
+        sets r.hashes to those hashes, each once, in the order it will build them, then hold(r)."""
+        r = Reservation(blocks, ns, (), size, now)
         before = len(blocks)
-        blocks.update(zip(hashes, repeat(r.mark)))
-        if len(blocks) - before < len(hashes):
-            for h in hashes:
-                blocks.pop(h, None)
-            return None
+        found = list(map(blocks.setdefault, hashes, repeat(r.mark)))
+        return r, found, len(blocks) - before
+
+    def hold(self, r: Reservation) -> None:
+        """r (from reserve_found, its hashes set) is this Store's: finish() ends it."""
         self._marks[id(r.mark)] = r
-        return r
 
     def build(self, r: Reservation, k: int) -> list[Entry]:
         """The entries of the next k hashes of r (RESERVED, one pin each, as reserve() makes them),
         indexed in place of the mark."""
         lo = len(r.entries)
         hashes = r.hashes[lo:lo + k]
-        entries = list(map(reserved_entry, repeat(r.ns), hashes, repeat(r.size), repeat(r.now)))
+        entries = reserved_entries(r.ns, hashes, r.size, r.now)
         r.blocks.update(zip(hashes, entries))
         r.entries += entries
         return entries

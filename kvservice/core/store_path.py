@@ -50,29 +50,30 @@ class StorePath:
         results = StoreResults(len(hs))
         ns, size = s.namespace, s.block_bytes
         blocks = t.index.namespace(ns)
-        found = list(map(blocks.get, hs))
+        # one pass: the new hashes are held at once (a mark each; their entries are built part by
+        # part), the others' entries found
+        res, found, added = life.reserve_found(blocks, ns, hs, size, now)
+        mark = res.mark
         touched: list[tuple[int, Entry]] = []
-        if found.count(None) == len(hs):  # all new (the usual Store): no per-block split
+        if added == len(hs):  # all new, each once (the usual Store): no per-block split
             new_pos: list[int] = list(range(len(hs)))  # positions of hashes not stored yet
             new_hashes = hs
         else:
-            new_pos = [i for i, e in enumerate(found) if e is None]
-            touched = [(i, e) for i, e in enumerate(found) if e is not None]
+            new_pos = [i for i, e in enumerate(found) if e is mark]
+            touched = [(i, e) for i, e in enumerate(found) if e is not mark]
+            if added < len(new_pos):  # a hash twice in one batch: its first place stores it, the others wait for it
+                first: dict[bytes, int] = {}
+                for i in new_pos:
+                    first.setdefault(hs[i], i)
+                touched += [(i, mark) for i in new_pos if first[hs[i]] != i]
+                new_pos = [i for i in new_pos if first[hs[i]] == i]
             new_hashes = [hs[i] for i in new_pos]
         del found
-        dups: list[int] = []
-        # the new hashes are held at once (a mark each); their entries are built part by part
-        res = life.reserve_lazily(blocks, ns, new_hashes, size, now) if new_hashes else None
-        if res is None and new_hashes:  # a hash twice in one batch (nothing reserved): its first place stores it
-            first: dict[bytes, int] = {}
-            for i in new_pos:
-                first.setdefault(hs[i], i)
-            dups = [i for i in new_pos if first[hs[i]] != i]
-            new_pos = [i for i in new_pos if first[hs[i]] == i]
-            new_hashes = [hs[i] for i in new_pos]
-            res = life.reserve_lazily(blocks, ns, new_hashes, size, now)
-            assert res is not None
-        touched.extend((i, blocks[hs[i]]) for i in dups)
+        if new_hashes:
+            res.hashes = new_hashes
+            life.hold(res)
+        else:
+            res = None
         TRACE.mark(call, "reserved")
         try:
             pending = await self._store_hits(touched, ttl, now, results) if touched else []

@@ -89,32 +89,43 @@ class Entry(_LookupFields):
 _new = object.__new__
 
 
+def reserved_entries(namespace: NamespaceId, hashes: Iterable[BlockHash], size: int, stored_at: float) -> list[Entry]:
+    """A Store's new entries, one per hash: not ready, one pin (the reserving call's), no slot.
+    Built field by field on bare objects in one loop: the dataclass __init__ with every field
+    passed costs more (argument binding), and so does a function call per entry (0.35 vs 0.25 us
+    an entry on the CPU box); a Store builds one per new block."""
+    out: list[Entry] = []
+    add = out.append
+    new, cls, none = _new, Entry, DiskState.NONE
+    for h in hashes:
+        e = new(cls)
+        e.namespace = namespace
+        e.hash = h
+        e.size = size
+        e.checksum = 0
+        e.stored_at = stored_at
+        e.deadline = 0.0
+        e.reuse = 0
+        e.slot = -1
+        e.spilling = False
+        e.staged = False
+        e.release_pending = False
+        e.disk = none
+        e.disk_path = ""
+        e.disk_loc = -1
+        e.disk_deadline = 0.0
+        e.pins = 1
+        e.lease_until = 0.0
+        e.lease_owner = ""
+        e.ready = False
+        e.lru_pos = 0
+        add(e)
+    return out
+
+
 def reserved_entry(namespace: NamespaceId, hash: BlockHash, size: int, stored_at: float) -> Entry:
-    """A Store's new entry: not ready, one pin (the reserving call's), no slot. Built field by
-    field on a bare object: the dataclass __init__ with all 19 fields passed costs more (argument
-    binding), and a Store builds one per new block."""
-    e = _new(Entry)
-    e.namespace = namespace
-    e.hash = hash
-    e.size = size
-    e.checksum = 0
-    e.stored_at = stored_at
-    e.deadline = 0.0
-    e.reuse = 0
-    e.slot = -1
-    e.spilling = False
-    e.staged = False
-    e.release_pending = False
-    e.disk = DiskState.NONE
-    e.disk_path = ""
-    e.disk_loc = -1
-    e.disk_deadline = 0.0
-    e.pins = 1
-    e.lease_until = 0.0
-    e.lease_owner = ""
-    e.ready = False
-    e.lru_pos = 0
-    return e
+    """One entry as reserved_entries builds them."""
+    return reserved_entries(namespace, (hash,), size, stored_at)[0]
 
 
 class BlockIndex:
