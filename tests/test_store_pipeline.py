@@ -210,22 +210,3 @@ async def test_a_hash_twice_in_a_store_in_parts_is_stored_once(tmp_path, parts_o
             assert [r.status for r in rs] == [StoreStatus.STORED] * 6 + [StoreStatus.ALREADY_STORED]
             assert [r.status for r in await eng.load(list(range(6)))] == [LoadStatus.LOADED] * 6
             assert cache.audit() == []
-
-
-def test_parts_are_bounded_in_bytes_so_large_blocks_start_copying_after_a_short_plan(monkeypatch):
-    """pipeline.parts with the block size: a Store of 1024 blocks of 2 MiB (one part by count) is cut
-    so its first copy covers at most FIRST_BYTES and no part more than PART_BYTES; small blocks are
-    cut by count as before; the parts always cover the batch once, in order."""
-    monkeypatch.setattr(pipeline_mod, "PART_BYTES", 512 << 20)
-    monkeypatch.setattr(pipeline_mod, "FIRST_BYTES", 64 << 20)
-    monkeypatch.setattr(pipeline_mod, "PIPELINE_BLOCKS", 2048)
-    monkeypatch.setattr(pipeline_mod, "PIPELINE_FIRST", 256)
-    for n, bb in ((1024, 2 << 20), (2048, 2 << 20), (8192, 256 << 10), (32768, 64 << 10), (7, 4096), (1, 1 << 30)):
-        ps = pipeline_mod.parts(n, bb)
-        assert ps[0][0] == 0 and ps[-1][1] == n and all(a[1] == b[0] for a, b in zip(ps, ps[1:]))
-        sizes = [hi - lo for lo, hi in ps]
-        assert max(sizes) * bb <= max(512 << 20, bb) or len(ps) == 1
-    assert [hi - lo for lo, hi in pipeline_mod.parts(1024, 2 << 20)][:4] == [32, 64, 128, 256]
-    assert pipeline_mod.parts(1024, 2 << 20) != pipeline_mod.parts(1024)  # by count alone: one part
-    assert pipeline_mod.parts(1024) == [(0, 1024)]
-    assert pipeline_mod.parts(8192, 256 << 10) == pipeline_mod.parts(8192)  # 2048 x 256 KiB = 512 MiB: as by count

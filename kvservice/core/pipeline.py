@@ -1,7 +1,7 @@
 """How a large Store or Load is cut into parts that are planned and copied in turn (parts), and
 the rules every call that hands work to a copy thread keeps:
-  parts(n, block_bytes) -> [(lo, hi)]   the parts of a batch of n blocks (module constants below;
-                                  tests set them small to drive the parts path with a few blocks)
+  parts(n) -> [(lo, hi)]          the parts of a batch of n blocks (module constants below; tests
+                                  set them small to drive the parts path with a few blocks)
   when_copy_ends(fut, fn)         fn once an abandoned copy's thread is done with its memory
   fail_unanswered(results, code)  a block left without a status is reported failed, never success
 """
@@ -23,13 +23,6 @@ from kvservice.core.types import LoadResults, StoreResults
 PIPELINE_BLOCKS = max(1, int(os.environ.get("KVTUNE_STORE_PART_BLOCKS", "2048")))
 PIPELINE_FIRST = 256  # the first part: the first copy starts after a short plan; parts double from it
 PIPELINE_DEPTH = max(1, int(os.environ.get("KVTUNE_COPY_DEPTH", "2")))  # an A/B, as the part size
-# A Store's parts are also bounded in bytes (parts(n, block_bytes)): at most PART_BYTES, the first at
-# most FIRST_BYTES, so that a Store of large blocks starts its first copy after a short plan too. 1024
-# blocks of 2 MiB are one part by count; their plan (evicting 1024 victims, 1024 entries) ran ~2 ms on
-# the CPU box before any copy started (bench/trace_timeline.py), ~5% of the 39 ms the copy takes at the
-# pinned limit. KVTUNE_PART_MIB (a huge value: parts by count only) is the A/B.
-PART_BYTES = max(1, int(os.environ.get("KVTUNE_PART_MIB", "512"))) << 20
-FIRST_BYTES = min(PART_BYTES, 64 << 20)
 # ENQUEUE_FIRST (KVTUNE_COPY_ENQUEUE_FIRST=0 turns it off for an A/B): a Store plans its next part
 # only once the copy thread has queued the part just handed to it on the device (a copy memory that
 # signals it: SIGNALS_ENQUEUED). The loop's long GIL holds would slow that thread's launches (each
@@ -52,23 +45,18 @@ def when_copy_ends(fut: asyncio.Future, fn: Callable[[], object]) -> None:
         fut.add_done_callback(lambda f: (f.cancelled() or f.exception(), fn()))
 
 
-def parts(n: int, block_bytes: int = 0) -> list[tuple[int, int]]:
+def parts(n: int) -> list[tuple[int, int]]:
     """The (lo, hi) parts a Store chunk or a Load of n blocks is planned and copied in: one part up
-    to 2 x the largest part; else a first part, each part twice the one before up to the largest.
-    Largest: PIPELINE_BLOCKS blocks, and with block_bytes given at most PART_BYTES of them; first:
-    PIPELINE_FIRST blocks (with block_bytes, at most FIRST_BYTES), never more than the largest."""
-    most, first = PIPELINE_BLOCKS, PIPELINE_FIRST
-    if block_bytes > 0:
-        most = max(1, min(most, PART_BYTES // block_bytes))
-        first = max(1, min(first, FIRST_BYTES // block_bytes))
-    if n <= 2 * most:
+    to 2 x PIPELINE_BLOCKS; else min(PIPELINE_FIRST, PIPELINE_BLOCKS) blocks first, each part
+    twice the one before up to PIPELINE_BLOCKS."""
+    if n <= 2 * PIPELINE_BLOCKS:
         return [(0, n)]
     out: list[tuple[int, int]] = []
-    size, lo = min(first, most), 0
+    size, lo = min(PIPELINE_FIRST, PIPELINE_BLOCKS), 0
     while lo < n:
         hi = min(n, lo + size)
         out.append((lo, hi))
-        lo, size = hi, min(2 * size, most)
+        lo, size = hi, min(2 * size, PIPELINE_BLOCKS)
     return out
 
 
