@@ -5,15 +5,17 @@
 # into $OUT/details.tgz at the end (the loose files are removed).
 #   bash scripts/device_session.sh [PHASES]       (carry .whl; PHASES comma-separated, default below)
 # Phases (seconds of wall time each, at most):
-#   tests      every GPU-marked test of the suite (modules the GPU image cannot import are reported, not fatal)  240
+#   tests      every GPU-marked test of the suite (modules the GPU image cannot import are reported, not fatal)  300
 #   bw         bench/gpu_bandwidth.py host part, 2 and 4 GiB batches, 2 MiB / 256 KiB / 64 KiB blocks        150
 #   loadab     the same at 2 GiB with KVTUNE_LOAD_ENQUEUE_FIRST=1 (Loads in parts: copies queued first)     75
 #   bwgrpc     the same at 2 GiB with KVBENCH_GRPC_ONLY=1 (Store and Load over gRPC, not the frames channel) 75
+#   trace      the 2 GiB rows with the daemon's call timelines (KVTUNE_TRACE; bench/trace_timeline.py)     110
 #   profile    the copy path alone at 2 MiB under torch.profiler (the 2 MiB Store's GPU timeline)          120
 #   lookup     bench/lookup_latency.py (the 1024-hash Lookup line)                                          60
 #   disk       scripts/device_disk_probe.sh (raw sweep, DiskStore alone, daemon always / clean / restarted)  300
 #   e2e        scripts/device_e2e.sh diskboth (issue 14's disk line on this tree)                            300
-# Run the phases that fit one call's 600 s (default: tests,bw,loadab,lookup ~ 8 min at most).
+# Run the phases that fit one call's 600 s (default: tests,bw,loadab,lookup ~ 9 min at most; on the H200 host
+# the tests phase alone took 210 s).
 # Run it from a snapshot of a commit so the live working tree's edits do not travel:
 #   rm -rf .lead/tree && mkdir -p .lead/tree && git archive HEAD | tar -x -C .lead/tree
 #   git rev-parse --short HEAD > .lead/tree/.commit
@@ -44,10 +46,12 @@ phase() {  # phase NAME LIMIT CMD...: run, keep its output, append its table lin
 }
 for p in ${PHASES//,/ }; do
   case $p in
-    tests) phase tests 240 python3 -m pytest -m gpu -q -rA -p no:cacheprovider --continue-on-collection-errors tests/ ;;
+    tests) phase tests 300 python3 -m pytest -m gpu -q -rA -p no:cacheprovider --continue-on-collection-errors tests/ ;;
     bw) phase bw 150 "${BW[@]}" --batch-mib 2048,4096 --out "$D/bw.json" ;;
     loadab) phase loadab 75 env KVTUNE_LOAD_ENQUEUE_FIRST=1 "${BW[@]}" --batch-mib 2048 ;;
     bwgrpc) phase bwgrpc 75 env KVBENCH_GRPC_ONLY=1 "${BW[@]}" --batch-mib 2048 ;;
+    trace) phase trace 110 env KVTUNE_TRACE="$D/trace.jsonl" "${BW[@]}" --batch-mib 2048
+           python3 bench/trace_timeline.py "$D/trace.jsonl" > "$D/timeline.md" 2>&1 && cp "$D/timeline.md" "$OUT/" ;;
     profile) phase profile 120 python3 bench/gpu_bandwidth.py --layouts layer-first --reps 3 --skip host,disk \
                --sizes 2048 --batch-mib 2048 --profile "$D/prof" ;;
     lookup) phase lookup 60 python3 bench/lookup_latency.py --iters 2000 ;;
