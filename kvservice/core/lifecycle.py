@@ -166,10 +166,11 @@ class Lifecycle:
                       now: float) -> tuple[Reservation, list[Entry], int]:
         """The batch's lookup and its new hashes' reservation in one pass over the dict
         (dict.setdefault: the probe and the insert are one): every hash not in `blocks` maps to a
-        new Reservation's mark from now on, its entry built later, part by part (build). Returns (r, found, added): found[i] is what hashes[i] maps to - an entry stored
-        or being stored (another Store's mark included), or r.mark where this call holds it (also the
-        later places of a hash twice in the batch) - and added, how many hashes r holds. The caller
-        sets r.hashes to those hashes, each once, in the order it will build them, then hold(r)."""
+        new Reservation's mark from now on, its entry built later, part by part (build).
+        Returns (r, found, added): found[i] is what hashes[i] maps to - an entry stored or being
+        stored (another Store's mark included), or r.mark where this call holds it (also the later
+        places of a hash twice in the batch) - and added, how many hashes r holds. The caller sets
+        r.hashes to those hashes, each once, in the order it will build them, then hold(r)."""
         r = Reservation(blocks, ns, (), size, now)
         before = len(blocks)
         found = list(map(blocks.setdefault, hashes, repeat(r.mark)))
