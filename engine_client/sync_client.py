@@ -347,11 +347,28 @@ class KVClient:
             return self._caller
 
     def _lookup_failed(self, session: _Session, code: grpc.StatusCode, details: str | None) -> tuple[int, list[int]]:
-        """As AsyncKVClient._call: a detaching code answers as an empty cache would, and the loop detaches."""
-        if code in DETACHING_CODES:
-            self._loop.call_soon_threadsafe(self._client._detach, session, "Lookup", code, details)
+        """As AsyncKVClient._call: a detaching code answers as an empty cache would, and the loop
+        detaches. The answer waits (bounded) until the loop has done so: a caller that sees the
+        empty answer sees `attached` False too (it read True for a moment on a busy host)."""
+        if code not in DETACHING_CODES:
+            raise KVClientError(code, details or code.name)
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def detach() -> None:
+            try:
+                self._client._detach(session, "Lookup", code, details)
+            finally:
+                done.set_result(None)
+        try:
+            self._loop.call_soon_threadsafe(detach)
+        except RuntimeError:  # the loop is closed (the client is closing): nothing left to detach
             return 0, []
-        raise KVClientError(code, details or code.name)
+        if threading.current_thread() is not self._thread:
+            try:
+                done.result(timeout=max(1.0, self._client.timeout))
+            except concurrent.futures.TimeoutError:
+                pass  # a loop that does not run it in that time: the answer does not wait longer
+        return 0, []
 
     # --- lifetime
     def close(self) -> None:

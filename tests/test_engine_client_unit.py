@@ -5,6 +5,7 @@ real Unix socket and copies real bytes out of and into the registered pool)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import mmap
@@ -366,7 +367,9 @@ def test_backoff_doubles_to_cap_with_jitter():
 class StandInDaemon(kvcache_pb2_grpc.KVCacheServicer):
     """The smallest KVCache server that honours the proto: a registration socket that maps the
     descriptor the client passes, one host-tier dict, real copies out of and into that pool,
-    canary check, sessions. Records what it was sent."""
+    canary check, sessions. Records what it was sent. As the real daemon, CloseSession returns
+    once no Store or Load of the session is copying (a late Load of a closed client's session
+    would otherwise write into an unmapped pool, and log that into whichever test runs next)."""
 
     def __init__(self, max_batch_blocks: int = 4, lease_seconds: float = 5.0) -> None:
         self.max_batch_blocks = max_batch_blocks
@@ -374,6 +377,8 @@ class StandInDaemon(kvcache_pb2_grpc.KVCacheServicer):
         self.load_delay = 0.0
         self.lookup_delay = 0.0
         self.lock = threading.Lock()
+        self.idle = threading.Condition(self.lock)
+        self.copying: collections.Counter[str] = collections.Counter()  # session id -> Stores / Loads running
         self.sessions: dict[str, tuple[shared_memory.SharedMemory, list, int]] = {}
         self.blocks: dict[bytes, bytes] = {}
         self.canaries: dict[bytes, bytes] = {}
@@ -427,6 +432,7 @@ class StandInDaemon(kvcache_pb2_grpc.KVCacheServicer):
     def CloseSession(self, request, context):
         shm, _, _ = self._session(request.session_id, context)
         with self.lock:
+            self.idle.wait_for(lambda: not self.copying[request.session_id], timeout=30)
             del self.sessions[request.session_id]
             self.closed.append(request.session_id)
         shm.close()
@@ -442,6 +448,10 @@ class StandInDaemon(kvcache_pb2_grpc.KVCacheServicer):
         return kvcache_pb2.LookupReply(prefix_blocks=n, tiers=[kvcache_pb2.TIER_HOST] * n)
 
     def Store(self, request, context):
+        with self._copying(request.session_id):
+            return self._store(request, context)
+
+    def _store(self, request, context):
         hashes = split(request.hashes)
         shm, regions, _ = self._begin("Store", request, len(hashes), context)
         assert len(request.block_ids) == len(hashes)
@@ -452,7 +462,22 @@ class StandInDaemon(kvcache_pb2_grpc.KVCacheServicer):
         return kvcache_pb2.StoreReply(statuses=[kvcache_pb2.STORED] * len(hashes),
                                       deadlines=[deadline] * len(hashes) if deadline else [])
 
+    @contextlib.contextmanager
+    def _copying(self, session_id: str):
+        with self.lock:
+            self.copying[session_id] += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.copying[session_id] -= 1
+                self.idle.notify_all()
+
     def Load(self, request, context):
+        with self._copying(request.session_id):
+            return self._load(request, context)
+
+    def _load(self, request, context):
         hashes = split(request.hashes)
         shm, regions, _ = self._begin("Load", request, len(hashes), context)
         assert len(request.block_ids) == len(hashes)
