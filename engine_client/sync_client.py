@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
@@ -364,10 +365,15 @@ class KVClient:
         except RuntimeError:  # the loop is closed (the client is closing): nothing left to detach
             return 0, []
         if threading.current_thread() is not self._thread:
-            try:
-                done.result(timeout=max(1.0, self._client.timeout))
-            except concurrent.futures.TimeoutError:
-                pass  # a loop that does not run it in that time: the answer does not wait longer
+            # a loop that does not run it in time (or a client closing meanwhile, whose loop stops
+            # before it runs it): the answer does not wait longer
+            deadline = time.monotonic() + max(1.0, self._client.timeout)
+            while not self._stopped and time.monotonic() < deadline:
+                try:
+                    done.result(timeout=0.05)
+                    break
+                except concurrent.futures.TimeoutError:
+                    continue
         return 0, []
 
     # --- lifetime
