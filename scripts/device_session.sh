@@ -13,6 +13,7 @@
 #   profile    the copy path alone at 2 MiB under torch.profiler (the 2 MiB Store's GPU timeline)          120
 #   lookup     bench/lookup_latency.py (the 1024-hash Lookup line)                                          60
 #   disk       scripts/device_disk_probe.sh (raw sweep, DiskStore alone, daemon always / clean / restarted)  300
+#   disk64     the same with 64 KiB blocks, 1 GiB spilled (issue 13's 64 KiB line)                         300
 #   e2e        scripts/device_e2e.sh diskboth (issue 14's disk line on this tree)                            300
 # Run the phases that fit one call's 600 s (default: tests,bw,loadab,lookup ~ 9 min at most; on the H200 host
 # the tests phase alone took 210 s).
@@ -57,6 +58,8 @@ for p in ${PHASES//,/ }; do
     lookup) phase lookup 60 python3 bench/lookup_latency.py --iters 2000 ;;
     disk) phase disk 300 env OUT="$D" bash scripts/device_disk_probe.sh
           [[ -f $D/probe/ratios.md ]] && cat "$D/probe/ratios.md" >> "$S" ;;
+    disk64) phase disk64 300 env OUT="$D/d64" BLOCK=64KiB TOTAL=1GiB bash scripts/device_disk_probe.sh
+          [[ -f $D/d64/probe/ratios.md ]] && cat "$D/d64/probe/ratios.md" >> "$S" ;;
     e2e) phase e2e 300 env OUT="$D" bash scripts/device_e2e.sh diskboth
          [[ -f $D/pool.md ]] && cat "$D/pool.md" >> "$S" ;;
     *) say "unknown phase $p" ;;
