@@ -10,6 +10,7 @@
 #   loadab     the same at 2 GiB with KVTUNE_LOAD_ENQUEUE_FIRST=1 (Loads in parts: copies queued first)     75
 #   bwgrpc     the same at 2 GiB with KVBENCH_GRPC_ONLY=1 (Store and Load over gRPC, not the frames channel) 75
 #   trace      the 2 GiB rows with the daemon's call timelines (KVTUNE_TRACE; bench/trace_timeline.py)     110
+#   firstab    the 2 GiB rows with a Store's first part of 1024 blocks (KVTUNE_STORE_FIRST_BLOCKS; 256)    75
 #   profile    the copy path alone at 2 MiB under torch.profiler (the 2 MiB Store's GPU timeline)          120
 #   lookup     bench/lookup_latency.py (the 1024-hash Lookup line)                                          60
 #   disk       scripts/device_disk_probe.sh (raw sweep, DiskStore alone, daemon always / clean / restarted)  300
@@ -51,6 +52,7 @@ for p in ${PHASES//,/ }; do
     bw) phase bw 150 "${BW[@]}" --batch-mib 2048,4096 --out "$D/bw.json" ;;
     loadab) phase loadab 75 env KVTUNE_LOAD_ENQUEUE_FIRST=1 "${BW[@]}" --batch-mib 2048 ;;
     bwgrpc) phase bwgrpc 75 env KVBENCH_GRPC_ONLY=1 "${BW[@]}" --batch-mib 2048 ;;
+    firstab) phase firstab 75 env KVTUNE_STORE_FIRST_BLOCKS=1024 "${BW[@]}" --batch-mib 2048 ;;
     trace) phase trace 110 env KVTUNE_TRACE="$D/trace.jsonl" "${BW[@]}" --batch-mib 2048
            python3 bench/trace_timeline.py "$D/trace.jsonl" > "$D/timeline.md" 2>&1 && cp "$D/timeline.md" "$OUT/" ;;
     profile) phase profile 120 python3 bench/gpu_bandwidth.py --layouts layer-first --reps 3 --skip host,disk \

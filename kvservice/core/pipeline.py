@@ -21,7 +21,9 @@ from kvservice.core.types import LoadResults, StoreResults
 # the next part's plan beside the previous part's copy, at most PIPELINE_DEPTH copies in flight.
 # KVTUNE_STORE_PART_BLOCKS overrides the part size (a benchmark's A/B; a huge value: one part)
 PIPELINE_BLOCKS = max(1, int(os.environ.get("KVTUNE_STORE_PART_BLOCKS", "2048")))
-PIPELINE_FIRST = 256  # the first part: the first copy starts after a short plan; parts double from it
+# the first part: the first copy starts after a short plan; parts double from it (KVTUNE_STORE_FIRST_BLOCKS:
+# an A/B; on the H100 the first three parts of a 256 KiB Store took longer to plan and launch than to copy)
+PIPELINE_FIRST = max(1, int(os.environ.get("KVTUNE_STORE_FIRST_BLOCKS", "256")))
 PIPELINE_DEPTH = max(1, int(os.environ.get("KVTUNE_COPY_DEPTH", "2")))  # an A/B, as the part size
 # ENQUEUE_FIRST (KVTUNE_COPY_ENQUEUE_FIRST=0 turns it off for an A/B): a Store plans its next part
 # only once the copy thread has queued the part just handed to it on the device (a copy memory that
