@@ -105,7 +105,7 @@ class Reservation:
     hash first maps to `mark`, one shared not-ready Entry with no hash (is_mark), until its part is
     built. Only this Store changes a hash that maps to its mark."""
 
-    __slots__ = ("blocks", "ns", "hashes", "size", "now", "mark", "entries", "done")
+    __slots__ = ("blocks", "ns", "hashes", "size", "now", "mark", "entries", "done", "committed")
 
     def __init__(self, blocks: dict[bytes, Entry], ns: NamespaceId, hashes: Sequence[bytes], size: int,
                  now: float) -> None:
@@ -114,6 +114,7 @@ class Reservation:
         self.mark.pins = 0  # holds nothing: no slot, no copy
         self.entries: list[Entry] = []  # built so far, for hashes[:len(entries)]
         self.done: asyncio.Future[None] | None = None  # a concurrent Store waiting for the outcome
+        self.committed = 0  # entries[:committed] are committed (commit(..., r)): finish() skips their walk
 
     def __len__(self) -> int:
         return len(self.hashes)
@@ -202,10 +203,11 @@ class Lifecycle:
         """r's Store is over: its unbuilt hashes leave the index, its built entries not committed are
         rolled back, and whoever waited for its outcome (outcome()) hears of it. Idempotent."""
         self.release_unbuilt(r)
-        for e in r.entries:
-            if not e.ready:
-                self.rollback(r.entries)
-                break
+        if r.committed < len(r.entries):
+            for e in r.entries:
+                if not e.ready:
+                    self.rollback(r.entries)
+                    break
         if self._marks.pop(id(r.mark), None) is not None and r.done is not None and not r.done.done():
             r.done.set_result(None)
 
@@ -217,13 +219,16 @@ class Lifecycle:
             self.host.held(len(offsets) * entries[0].size)
             self.ns_counts.host(entries[0].namespace, len(offsets), len(offsets) * entries[0].size)
 
-    def commit(self, entries: Sequence[Entry], checksums: Sequence[int]) -> None:
-        """RESERVED+slot -> READY, RESIDENT: the copy into the slots is done. Head first."""
+    def commit(self, entries: Sequence[Entry], checksums: Sequence[int], r: Reservation | None = None) -> None:
+        """RESERVED+slot -> READY, RESIDENT: the copy into the slots is done. Head first. r: the
+        Reservation whose next entries these are (its count of committed entries follows)."""
         for e, c in zip(entries, checksums):
             e.checksum = c
             e.ready = True
             e.pins = 0
         self.host.lru_add_new(entries)  # reserved entries were never in the LRU
+        if r is not None:
+            r.committed += len(entries)
         if self._outcome:
             self._settle_outcomes(entries)
 

@@ -232,7 +232,7 @@ class StorePath:
                 raise
             waited += 1
         placed = res.entries[first:first + placed_n]
-        life.commit(placed, sums)
+        life.commit(placed, sums, res)
         TRACE.mark(call, "committed")
         self.stats.bump(s.namespace, "stores", placed_n)
         status = results.status
