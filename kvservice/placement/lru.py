@@ -116,9 +116,7 @@ class StampLRU:
         """Insert or refresh entries given head first; the head ends up most recent."""
         self._append(chain[::-1])
 
-    def add_new(self, chain: Sequence[Entry]) -> None:
-        """touch() for entries not in the order (a Store's new blocks), head first."""
-        self._append(chain[::-1])
+    add_new = touch  # ChainLRU's shortcut for entries not in the order: here the same append
 
     def touch_present(self, chain: Sequence[Entry]) -> None:
         """Refresh those of the entries (head first) that are in the order; others are left out."""
@@ -166,7 +164,7 @@ class StampLRU:
 
     def _compact(self) -> None:
         """One group of the members in order, at fresh positions."""
-        live = list(self._valid())
+        live = list(self._members())
         self._groups.clear()
         self._refs = 0
         self._count = 0
@@ -174,12 +172,18 @@ class StampLRU:
             e.lru_pos = 0
         self._append(live)
 
-    def _valid(self) -> Iterator[Entry]:
+    def _members(self, version: int | None = None) -> Iterator[Entry]:
+        """The members, oldest first; with `version` (the order's at the call), a change of the
+        order meanwhile raises RuntimeError when the walk goes on."""
         for base, members, start in self._groups:
+            if version is not None and self._version != version:
+                raise RuntimeError("StampLRU changed during iteration")
             for i in range(start, len(members)):
                 e = members[i]
                 if e.lru_pos == base + i:
                     yield e
+        if version is not None and self._version != version:
+            raise RuntimeError("StampLRU changed during iteration")
 
     def __contains__(self, entry: Entry) -> bool:
         return entry.lru_pos != 0
@@ -190,16 +194,7 @@ class StampLRU:
     def oldest_first(self) -> Iterator[Entry]:
         """Members, oldest first. Callers plan first and change the order after: a change while
         this runs raises RuntimeError (as iterating a dict that changed size does)."""
-        version = self._version
-        for base, members, start in self._groups:
-            if self._version != version:
-                raise RuntimeError("StampLRU changed during iteration")
-            for i in range(start, len(members)):
-                e = members[i]
-                if e.lru_pos == base + i:
-                    yield e
-        if self._version != version:
-            raise RuntimeError("StampLRU changed during iteration")
+        return self._members(self._version)
 
     def values(self) -> Iterable[Entry]:
-        return self._valid()
+        return self._members()
