@@ -263,6 +263,8 @@ def daemon_case(directory: Path, fmt: str, block: int, total: int, batch_bytes: 
     segment file). steady: then `total` bytes more (new hashes, the same pool blocks), so the
     tier is full and every spill evicts an older disk block and rewrites its slot - the
     steady state of a running daemon, and what the raw sweep (rewrites of one file) measures.
+    A pass's rate is the bytes it spilled (the Stats counter: the steady pass also writes the
+    blocks the pass before left in host memory) over its wall time, final sync included.
     Cold load: the spilled blocks of the last pass, split between `depths` (Loads in flight at
     once: 1 = one after another; more = an engine whose parked requests each wait on a Load, as
     model_runner's scheduler submits them), page cache dropped before each. Without `restart` the host
@@ -317,7 +319,10 @@ def daemon_case(directory: Path, fmt: str, block: int, total: int, batch_bytes: 
                     break
                 time.sleep(0.002)
             os.sync()
-            return hashes, spilled * block / (time.perf_counter() - t0) / 1e9
+            # the blocks this pass really wrote: an empty tier's pass spills all but the host tier's
+            # last `host_blocks`; a steady pass also spills the ones the pass before left in host memory
+            written = d.stats().counters.spills - spills0
+            return hashes, written * block / (time.perf_counter() - t0) / 1e9
 
         hashes, spill_gbps = spill_pass()
         steady_gbps = 0.0
@@ -352,6 +357,11 @@ def daemon_case(directory: Path, fmt: str, block: int, total: int, batch_bytes: 
                 "loads_by_depth": loads, "exact": exact, "cache": cache, "pool": pool_kind, "restart": restart,
                 "files_bytes": files, "capacity": capacity}
     finally:
+        if os.environ.get("KVTUNE_TRACE"):  # the daemon writes its timelines at a clean exit
+            try:
+                d.stop(timeout=120)
+            except Exception:
+                pass
         d.close()
         pool.close()
         if hasattr(pool, "unlink"):

@@ -10,6 +10,9 @@ handed to a copy thread (`submitted`), queued on the device (`enqueued`), its en
 (gather.* / scatter.*: start, every chunk queued, done) are those inside the call's window, in time
 order; `channel.received` / `channel.sent` are the frames channel's last receipt before the call and
 first reply after it (the daemon's share outside the core). A stage marked N times shows as tag#k.
+Spill batches (`spill:n`, one DiskStore.write of n blocks, stamped when `written`) are summed up at
+the end instead: how long the disk had a spill in flight over the span from the first to the last
+one, and how many blocks were in flight on average (a disk idle between Stores shows up here).
 """
 
 from __future__ import annotations
@@ -56,7 +59,11 @@ def main() -> None:
     p.add_argument("file")
     p.add_argument("--skip", type=int, default=1, help="calls of each kind left out of the median (warm-up)")
     a = p.parse_args()
-    for kind, rows in calls(a.file).items():
+    by_kind = calls(a.file)
+    spills = {k: v for k, v in by_kind.items() if k.startswith("spill:")}
+    for kind, rows in by_kind.items():
+        if kind in spills:
+            continue
         steady = rows[a.skip:] or rows
         order: dict[str, float] = {}
         for r in steady:
@@ -70,6 +77,38 @@ def main() -> None:
         for tag in sorted(med, key=med.get):
             f = first.get(tag)
             print(f"| {tag} | {med[tag]:.2f} | {'' if f is None else f'{f:.2f}'} |")
+    if spills:
+        print(spill_summary(a.file))
+
+
+def spill_summary(path: str) -> str:
+    """Spill batches: count, blocks, the span from the first one's start to the last one's end,
+    the time some batch was in flight (the union of their windows), and the mean blocks in flight."""
+    starts: dict[int, tuple[float, int]] = {}
+    windows: list[tuple[float, float, int]] = []
+    for e in sorted((json.loads(line) for line in open(path)), key=lambda e: e["t"]):
+        if e["tag"].startswith("spill:"):
+            starts[e["call"]] = (e["t"], int(e["tag"][6:]))
+        elif e["tag"] == "written" and e["call"] in starts:
+            t0, n = starts.pop(e["call"])
+            windows.append((t0, e["t"], n))
+    if not windows:
+        return "\n(no spill batch was written)"
+    windows.sort()
+    span = max(b for _, b, _ in windows) - windows[0][0]
+    busy, cur_a, cur_b = 0.0, windows[0][0], windows[0][1]
+    for a, b, _ in windows[1:]:
+        if a > cur_b:
+            busy, cur_a, cur_b = busy + cur_b - cur_a, a, b
+        else:
+            cur_b = max(cur_b, b)
+    busy += cur_b - cur_a
+    blocks = sum(n for _, _, n in windows)
+    in_flight = sum((b - a) * n for a, b, n in windows) / span if span > 0 else float("nan")
+    return (f"\n### spills\n{len(windows)} batches, {blocks} blocks (mean {blocks / len(windows):.1f} a batch, "
+            f"{1e3 * sum(b - a for a, b, _ in windows) / len(windows):.1f} ms each); span {1e3 * span:.0f} ms, "
+            f"some batch in flight {1e3 * busy:.0f} ms ({busy / span if span > 0 else float('nan'):.0%}); "
+            f"mean blocks in flight {in_flight:.1f}")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ B=(python3 bench/disk_tier.py --dir "$DISK_DIR" --pool cuda --total "${TOTAL:-2G
 date -u
 timeout 110 "${B[@]}" --parts raw,store --out "$OUT/limits.json" 2>&1 | grep -v "^\[" > "$OUT/limits.md"
 date -u
-timeout 55 "${B[@]}" --parts daemon --out "$OUT/always.json" > "$OUT/always.log" 2>&1
+KVTUNE_TRACE="$OUT/always-trace.jsonl" timeout 55 "${B[@]}" --parts daemon --out "$OUT/always.json" > "$OUT/always.log" 2>&1
+python3 bench/trace_timeline.py "$OUT/always-trace.jsonl" 2>&1 | tail -n 2 > "$OUT/always-spills.md"; rm -f "$OUT/always-trace.jsonl"
 KVSERVICE_ONBOARD_DISK_HITS=clean timeout 55 "${B[@]}" --parts daemon --out "$OUT/clean.json" > "$OUT/clean.log" 2>&1
 timeout 60 "${B[@]}" --parts daemon --restart-before-loads --out "$OUT/restart.json" > "$OUT/restart.log" 2>&1
 date -u
@@ -49,4 +50,6 @@ for row in ("always", "clean", "restart"):
     print(f"| daemon, {row} | {f(r['spill_gbps'], 'write')} | {f(r['steady_spill_gbps'], 'write')} | "
           f"{f(d[1], 'read')} | {f(d[4], 'read')} | {r['exact']} |")
 print("\nGB/s (x this run's raw limit). Targets: spill and cold load >= 0.85 x raw.")
+if os.path.exists(os.path.join(out, "always-spills.md")):
+    print("\nthe `always` row's spill batches (KVTUNE_TRACE):" + open(os.path.join(out, "always-spills.md")).read().rstrip())
 PY

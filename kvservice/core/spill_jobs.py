@@ -24,6 +24,7 @@ from kvservice.disk.io_backend import BlockIOError
 from kvservice.disk.slots import slot_class
 from kvservice.disk.store import META_PER_SLOT
 from kvservice.disk.tier_io import BlockWrite, DiskFault
+from kvservice.ops.trace import TRACE
 from kvservice.placement.eviction import Victim, plan_disk_eviction
 from kvservice.placement.index import DiskState, Entry
 
@@ -127,12 +128,14 @@ class SpillJobs:
         assert self.disk is not None and self.segments is not None
         locs = [e.disk_loc for e in batch]
         blocks = [BlockWrite(e.namespace, e.hash, e.checksum, e.deadline, e.stored_at, e.reuse) for e in batch]
+        call = TRACE.begin("spill", len(batch))
         self._writing.update(locs)
         self.life.pin(batch)  # the store reads the blocks' host slots: they must not be freed or reused meanwhile
         job = self.segments.write_many(locs, blocks, self._host_slots(batch, [e.slot for e in batch]))
         settled = asyncio.get_running_loop().create_future()
 
         def settle(j: asyncio.Future) -> None:
+            TRACE.mark(call, "written")
             err = j.exception() if not j.cancelled() else asyncio.CancelledError()
             if err is not None:
                 log.error("spill batch of %d blocks failed: %r", len(batch), err)
