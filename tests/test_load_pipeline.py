@@ -4,7 +4,11 @@ bookkeeping runs beside the next part's copy. Driven with parts of two blocks:
     refreshed as one (head newest), nothing left pinned;
   - cancelled while its second part is copying, it leaves no pin once the copies in flight end,
     and the blocks load again;
-  - a copy that fails in the second part fails the Load and leaves no pin either.
+  - a copy that fails in the second part fails the Load and leaves no pin either;
+  - a later part with a miss: the head goes in parts, that part and the rest as one batch (the
+    miss MISSING, the others LOADED), the whole chain refreshed head newest;
+  - each part is looked up when it is handed over: a block evicted while an earlier part copies is
+    MISSING (never stale bytes), the others LOADED, nothing left pinned.
 """
 
 from __future__ import annotations
@@ -108,3 +112,43 @@ async def test_a_copy_failing_in_the_second_part_fails_the_load_and_leaves_no_pi
             scatters.fail_at = -1
             rs = await eng.load(list(range(10)))
             assert [r.status for r in rs] == [LoadStatus.LOADED] * 10
+
+
+async def test_a_miss_in_a_later_part_loads_the_rest_as_one_batch(tmp_path, parts_of_two, scatters):
+    cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=32 * BLOCK)
+    async with started_cache(cfg) as cache:
+        async with engine_on(cache, 64) as eng:
+            assert {r.status for r in await eng.store(list(range(6)) + list(range(7, 10)))} == {StoreStatus.STORED}
+            scatters.calls.clear()
+            rs = await eng.load(list(range(10)))  # block 6 was never stored: the fourth part
+            assert [r.status for r in rs] == [LoadStatus.LOADED] * 6 + [LoadStatus.MISSING] + [LoadStatus.LOADED] * 3
+            assert [len(c) for c in scatters.calls] == [2, 2, 2, 3]  # three parts, then 7..9 as one batch
+            order = [e.hash for e in cache.tiers.host.entries_oldest_first()]
+            assert order[-9:] == [h(i) for i in (9, 8, 7, 5, 4, 3, 2, 1, 0)]  # head newest, as one chain
+            assert cache.counters.loads_host == 9 and cache.counters.load_misses == 1
+            assert cache.audit() == []
+
+
+async def test_a_block_evicted_while_an_earlier_part_copies_is_missing(tmp_path, parts_of_two, scatters):
+    cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=32 * BLOCK)
+    async with started_cache(cfg) as cache:
+        async with engine_on(cache, 64) as eng:
+            try:
+                assert {r.status for r in await eng.store(list(range(10)))} == {StoreStatus.STORED}
+                scatters.calls.clear()
+                scatters.open.clear()
+                task = asyncio.ensure_future(eng.load(list(range(10))))
+                await until(lambda: scatters.inside >= 1, "the first part's copy in flight")
+                d = cache.tiers.index.namespace(cache._sessions.get(eng.sid).namespace)
+                victim = d[h(8)]
+                assert not victim.pins  # not looked up yet: its part is not handed over
+                cache.tiers.life.evict(victim, keep_slot=False)
+                cache.tiers.life.forget(victim)
+                assert cache.audit(idle=False) == []
+                scatters.open.set()
+                rs = await task
+                assert [r.status for r in rs] == [LoadStatus.LOADED] * 8 + [LoadStatus.MISSING, LoadStatus.LOADED]
+                await until(lambda: scatters.inside == 0, "the copies to end")
+                assert cache.audit() == []
+            finally:
+                scatters.open.set()

@@ -1,7 +1,8 @@
 """The Load path of BlockCache (a mixin: it runs on BlockCache's state).
 
-  load(hashes, block_ids)  pin what is found; all host hits: copied to the engine (in parts when many,
-                           pipeline.parts); disk blocks: one coalesced read that lands in host slots
+  load(hashes, block_ids)  pin what is found; host hits: copied to the engine (a large Load's head in
+                           parts, pipeline.parts, each part looked up and pinned beside the copies
+                           of the ones before); disk blocks: one coalesced read that lands in host slots
                            where there is room (their host copy, no second copy), verified, then one
                            copy job; a block that cannot be served is MISSING or FAILED, never
                            substituted. Pins are dropped once the copy thread is done with the slots.
@@ -35,20 +36,46 @@ class LoadPath:
 
     async def load(self, session_id: SessionId, hashes: bytes | Sequence[bytes], block_ids: Sequence[int],
                    namespace_id: str = "") -> LoadResults:
-        """Fill engine blocks block_ids[i] with the blocks stored as hashes[i]; returns once they landed."""
+        """Fill engine blocks block_ids[i] with the blocks stored as hashes[i]; returns once they landed.
+        A large Load (more than 2 x pipeline.PIPELINE_BLOCKS) goes in parts while its blocks are ready
+        host hits: each part looked up, pinned and handed to a copy thread in turn, the next part's
+        lookup beside the copies in flight (_load_host_parts); whatever follows the first part that is
+        not all host hits goes the general way (_load_found), as one batch."""
         t0 = time.perf_counter()
         s = self._session(session_id, namespace_id)
         hs = self._hashes(hashes)
         ids = self._block_ids(s, len(hs), block_ids)
         call = TRACE.begin("load", len(hs))
+        results = LoadResults(len(hs))
+        done, head = 0, []
+        if len(hs) > 2 * pipeline.PIPELINE_BLOCKS:
+            done, head = await self._load_host_parts(s, hs, ids, call)
+            if done:
+                self._answer_loaded(results, done)
+                self.stats.bump(s.namespace, "loads_host", done)
+        if done < len(hs):
+            rest = results if not done else LoadResults(len(hs) - done)
+            await self._load_found(s, hs[done:] if done else hs, ids[done:] if done else ids, rest, call)
+            if done:
+                results.status[done:], results.tier[done:] = rest.status, rest.tier
+                results.messages.update((done + i, m) for i, m in rest.messages.items())
+                self._t.host.touch(head)  # the chain's head newest again (the rest was refreshed after it)
+                if self._t.disk is not None:
+                    self._t.disk.touch(head)
+        self._load_latency.observe(time.perf_counter() - t0)
+        pipeline.fail_unanswered(results, LoadStatus.FAILED)
+        TRACE.mark(call, "end")
+        return results
+
+    async def _load_found(self, s: Session, hs: list[bytes], ids: list[int], results: LoadResults,
+                          call: int = 0) -> None:
+        """Load hs into ids as one batch (results: theirs, in order): pin what is found; host hits
+        and disk blocks (_collect_bytes) copied with one job; MISSING / FAILED for the rest."""
         t = self._t
         life = t.life
-        results = LoadResults(len(hs))
         on_disk_state = DiskState.ON_DISK
         found: list[Entry] = list(map(t.index.namespace(s.namespace).get, hs))
-        slots = _host_slots(found)  # None unless every block is a ready host hit
-        missing = [] if slots is not None else [
-            i for i, e in enumerate(found) if e is None or not e.ready or (e.slot < 0 and e.disk != on_disk_state)]
+        missing = [i for i, e in enumerate(found) if e is None or not e.ready or (e.slot < 0 and e.disk != on_disk_state)]
         if not missing:  # every block found (the usual Load): no per-block split
             pos: list[int] = list(range(len(hs)))  # positions found
             bids = ids
@@ -57,20 +84,12 @@ class LoadPath:
             pos = [i for i in range(len(hs)) if i not in gone]
             found = [found[i] for i in pos]
             bids = [ids[i] for i in pos]
-        if missing:
             status = results.status
             for i in missing:
                 status[i] = LoadStatus.MISSING
             self.stats.bump(s.namespace, "load_misses", len(missing))
         life.pin(found)
         TRACE.mark(call, "pinned")
-        if slots is not None and len(found) > 2 * pipeline.PIPELINE_BLOCKS:  # all host hits, many: copied in parts
-            await self._load_host_parts(s, found, bids, slots, call)
-            self._answer_loaded(results, pos, len(found))
-            self.stats.bump(s.namespace, "loads_host", len(found))
-            self._load_latency.observe(time.perf_counter() - t0)
-            TRACE.mark(call, "end")
-            return results
         handed_over = False  # once the scatter runs, its thread drops the pins when it is done
         try:
             host_ids, host_slots, srcs, disk_ids, served, tiers_of, disk_loads = await self._collect_bytes(
@@ -105,62 +124,76 @@ class LoadPath:
             if not handed_over:
                 life.unpin(found)
             raise
-        self._load_latency.observe(time.perf_counter() - t0)
-        pipeline.fail_unanswered(results, LoadStatus.FAILED)
-        TRACE.mark(call, "end")
-        return results
 
-    async def _load_host_parts(self, s: Session, found: list[Entry], bids: list[int], slots: list[int],
-                               call: int = 0) -> None:
-        """Copy pinned host blocks to the engine in parts (_parts), at most pipeline.PIPELINE_DEPTH copies in
-        flight: each part's bookkeeping (reuse, leases used, its pins) runs beside the next part's
-        copy, the chain's LRU refresh beside the last ones. Every pin is dropped: a part's when its
-        copy has ended (also when the call is cancelled or a copy fails), one never copied at once."""
+    async def _load_host_parts(self, s: Session, hs: list[bytes], ids: list[int], call: int = 0
+                               ) -> tuple[int, list[Entry]]:
+        """Load the head of a large batch from the host tier in parts (pipeline.parts), while each
+        part is all ready host hits: a part is looked up, pinned and handed to a copy thread with no
+        await between, the next one's lookup and the finished ones' bookkeeping (reuse, leases used,
+        their pins) beside the copies in flight (at most pipeline.PIPELINE_DEPTH). Returns how many
+        blocks, from the head, were loaded (0: the first part was not all host hits; nothing
+        pinned) and their entries. The first part that is not stays unpinned and untouched: the caller loads it and
+        the rest as one batch. Every pin is dropped: a part's when its copy has ended (also when
+        the call is cancelled or a copy fails). The served chain is refreshed head newest, once
+        every part is handed over (beside the last copies)."""
         t = self._t
         life = t.life
+        get = t.index.namespace(s.namespace).get
         loop = asyncio.get_running_loop()
-        n = len(found)
-        jobs: list[tuple[asyncio.Future, int, int]] = []
+        n = len(hs)
+        jobs: list[tuple[asyncio.Future, list[Entry]]] = []
         done = 0  # jobs[:done] ended and were settled
+        served = 0  # hs[:served] are pinned and handed to copies
+        chain: list[Entry] = []
         try:
             for lo, hi in pipeline.parts(n):
+                found = list(map(get, hs[lo:hi]))
+                slots = _host_slots(found)
+                if slots is None:  # a miss, a block not ready or only on disk: the rest goes the general way
+                    break
+                life.pin(found)
+                if not lo:
+                    TRACE.mark(call, "pinned")
                 copy, enq = pipeline.copy_call(s.memory, "scatter_from", loop)
-                jobs.append((loop.run_in_executor(self._copy_pool, copy, bids[lo:hi], t.host.arena, slots[lo:hi]),
-                             lo, hi))
+                jobs.append((loop.run_in_executor(self._copy_pool, copy, ids[lo:hi], t.host.arena, slots), found))
+                served = hi
                 TRACE.mark(call, "submitted")
                 if enq is not None:  # any bookkeeping once this copy is queued (or over): pipeline.LOAD_ENQUEUE_FIRST
                     await asyncio.wait((enq, jobs[-1][0]), return_when=asyncio.FIRST_COMPLETED)
                     TRACE.mark(call, "enqueued")
-                if hi >= n:  # beside the last copies: head newest, as one chain (a failed copy leaves it
-                    t.host.touch(found)  # refreshed, which is harmless)
-                    if t.disk is not None:
-                        t.disk.touch(found)
-                while len(jobs) - done >= pipeline.PIPELINE_DEPTH or (done < len(jobs) and hi >= n):
-                    fut, a, b = jobs[done]
-                    await asyncio.shield(fut)
-                    TRACE.mark(call, "copied")
-                    part = found[a:b]
-                    life.loaded(s.id, part)
-                    life.unpin(part)
+                while len(jobs) - done >= pipeline.PIPELINE_DEPTH:
+                    await self._settle_part(s, jobs[done], call)
                     done += 1
+            if served:  # beside the last copies: the served head, newest first, as one chain (a
+                chain = [e for _, part in jobs for e in part]  # failed copy leaves it refreshed: harmless)
+                t.host.touch(chain)
+                if t.disk is not None:
+                    t.disk.touch(chain)
+            while done < len(jobs):
+                await self._settle_part(s, jobs[done], call)
+                done += 1
         except BaseException:
-            for fut, a, b in jobs[done:]:  # each part's pins go once its copy thread is done with them
-                pipeline.when_copy_ends(fut, functools.partial(life.unpin, found[a:b]))
-            life.unpin(found[jobs[-1][2] if jobs else 0:])  # parts never started
+            for fut, part in jobs[done:]:  # each part's pins go once its copy thread is done with them
+                pipeline.when_copy_ends(fut, functools.partial(life.unpin, part))
             raise
+        return served, chain
+
+    async def _settle_part(self, s: Session, job: tuple[asyncio.Future, list[Entry]], call: int) -> None:
+        """A part of _load_host_parts: its copy's end awaited, then its blocks' reuse and leases
+        counted and their pins dropped (a failure raises before: the caller drops the pins once the
+        copy thread is done)."""
+        fut, part = job
+        await asyncio.shield(fut)
+        TRACE.mark(call, "copied")
+        life = self._t.life
+        life.loaded(s.id, part)
+        life.unpin(part)
 
     @staticmethod
-    def _answer_loaded(results: LoadResults, pos: list[int], n: int) -> None:
-        """LOADED from the host tier for the n found blocks at positions pos."""
-        loaded, host = int(LoadStatus.LOADED), int(Tier.HOST)
-        if n == len(results.status):
-            results.status[:] = [loaded] * n
-            results.tier[:] = [host] * n
-        else:
-            status, tiers = results.status, results.tier
-            for i in pos:
-                status[i] = loaded
-                tiers[i] = host
+    def _answer_loaded(results: LoadResults, n: int) -> None:
+        """LOADED from the host tier for the first n blocks."""
+        results.status[:n] = [int(LoadStatus.LOADED)] * n
+        results.tier[:n] = [int(Tier.HOST)] * n
 
     async def _collect_bytes(self, s: Session, pos: list[int], bids: list[int], found: list[Entry],
                              results: LoadResults):
