@@ -717,11 +717,13 @@ class CudaEngineMemory:
         with self._inflight, torch.cuda.device(self._dev.index), self._dev.lane() as lane:
             try:
                 staging = lane.staging(chunks[0] * bb)
+                TRACE.mark(0, "gather.lane")
                 with torch.cuda.stream(lane.kernels):
                     if self._event is not None:
                         lane.kernels.wait_event(self._event)  # the engine's writes to these blocks come first
                     idx = _device_ids(block_ids, self._dev.device)
                     crc_dev = torch.empty(n_all, dtype=torch.int32, device=self._dev.device) if gpu_crc else None
+                TRACE.mark(0, "gather.ids")  # (the first chunk's steps too: where a cold first Store's launch goes)
                 free_after: list[torch.cuda.Event | None] = [None] * STAGING_SLOTS
                 done = []
                 lo = 0
@@ -733,12 +735,18 @@ class CudaEngineMemory:
                             lane.kernels.wait_event(free_after[slot])  # chunk j - STAGING_SLOTS has left the slot
                         self._gather_dev(idx[lo:lo + k], out=staged)
                         gathered = lane.kernels.record_event()
+                        if not j:
+                            TRACE.mark(0, "gather.kernel0")
                         if gpu_crc is not None:  # on the kernel stream, beside the DMA of the same chunk
                             gpu_crc.rows(staged, bb, crc_dev[lo:lo + k], lane.kernels)
+                            if not j:
+                                TRACE.mark(0, "gather.crc0")
                     lane.dma.wait_event(gathered)
                     with torch.cuda.stream(lane.dma):
                         self._copy_runs_out(staged, base, runs(offs[lo:lo + k], bb), lane.dma)
                         free_after[slot] = ev = lane.dma.record_event()
+                    if not j:
+                        TRACE.mark(0, "gather.d2h0")
                     done.append((lo, k, ev))
                     lo += k
                 TRACE.mark(0, "gather.queued")
