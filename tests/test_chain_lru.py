@@ -11,6 +11,7 @@ from collections import OrderedDict
 
 import pytest
 
+from kvservice.placement import lru as lru_mod
 from kvservice.placement.lru import ChainLRU, StampLRU
 
 
@@ -84,7 +85,7 @@ def test_stamp_lru_keeps_its_stale_references_bounded_and_refuses_changes_mid_it
             lru.discard_many(old)
             for e in old:
                 del ref.order[e]
-        assert lru._refs <= 2 * len(lru) + 4096 + 64
+        assert lru._refs <= lru_mod.STALE_RATIO * len(lru) + 4096 + 64
     assert list(lru.oldest_first()) == list(ref.order) and len(lru) == len(ref.order)
     it = lru.oldest_first()
     next(it)
