@@ -7,8 +7,9 @@ Store's and Load's wall time goes: per call kind and size, each stage's time fro
 Stages: store = validated and reserved (`reserved`), per part the host room made (`room`), the copy
 handed to a copy thread (`submitted`), queued on the device (`enqueued`), its end awaited (`copied`),
 `committed`, `end`; load = `pinned`, `submitted`, `copied`, `end`. The copy threads' own stamps
-(gather.* / scatter.*: start, every chunk queued, done; a gather also its lane and staging, its ids on the device, and its first chunk's kernel, CRC and D2H launched) are those inside the call's window, in time
-order; `channel.received` / `channel.sent` are the frames channel's last receipt before the call and
+(gather.* / scatter.*: start, every chunk queued, done; a gather also its lane and staging, its ids on
+the device, and its first chunk's kernel, CRC and D2H launched) are those inside the call's window,
+in time order; `channel.received` / `channel.sent` are the frames channel's last receipt before the call and
 first reply after it (the daemon's share outside the core). A stage marked N times shows as tag#k.
 Spill batches (`spill:n`, one DiskStore.write of n blocks, stamped when `written`) are summed up at
 the end instead: how long the disk had a spill in flight over the span from the first to the last

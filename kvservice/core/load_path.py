@@ -75,7 +75,8 @@ class LoadPath:
         life = t.life
         on_disk_state = DiskState.ON_DISK
         found: list[Entry] = list(map(t.index.namespace(s.namespace).get, hs))
-        missing = [i for i, e in enumerate(found) if e is None or not e.ready or (e.slot < 0 and e.disk != on_disk_state)]
+        missing = [i for i, e in enumerate(found)
+                   if e is None or not e.ready or (e.slot < 0 and e.disk != on_disk_state)]
         if not missing:  # every block found (the usual Load): no per-block split
             pos: list[int] = list(range(len(hs)))  # positions found
             bids = ids
@@ -132,8 +133,8 @@ class LoadPath:
         await between, the next one's lookup and the finished ones' bookkeeping (reuse, leases used,
         their pins) beside the copies in flight (at most pipeline.PIPELINE_DEPTH). Returns how many
         blocks, from the head, were loaded (0: the first part was not all host hits; nothing
-        pinned) and their entries. The first part that is not stays unpinned and untouched: the caller loads it and
-        the rest as one batch. Every pin is dropped: a part's when its copy has ended (also when
+        pinned) and their entries. The first part that is not stays unpinned and untouched: the
+        caller loads it and the rest as one batch. Every pin is dropped: a part's when its copy has ended (also when
         the call is cancelled or a copy fails). The served chain is refreshed head newest, once
         every part is handed over (beside the last copies)."""
         t = self._t
