@@ -51,3 +51,17 @@ async def test_batch_victims_are_the_first_candidates_of_the_walk(tmp_path, prot
         finally:
             await cache.close_session(eng.sid)
             pool.close()
+
+
+async def test_young_collections_wait_for_twice_the_largest_batch(tmp_path):
+    """A Store builds an entry per new block before the batch it evicts is freed: the daemon's young
+    GC threshold is at least twice the largest batch, so a steady stream of the largest Stores does
+    not walk its new entries in young collections that free nothing (cache._tune_gc)."""
+    import gc
+
+    before = gc.get_threshold()
+    try:
+        async with started_cache(small_config(tmp_path, max_batch_blocks=100_000)):
+            assert gc.get_threshold()[0] >= 2 * 100_000
+    finally:
+        gc.set_threshold(*before)

@@ -84,7 +84,7 @@ class BlockCache(StorePath, LoadPath, PrefetchPath):
     # --- lifecycle
     async def start(self) -> int:
         """Open the I/O backend, recover the disk tier, start the writers. Returns blocks recovered."""
-        _tune_gc()
+        _tune_gc(self.config.max_batch_blocks)
         _tune_switch_interval()
         io = self._io if self._io is not None else open_backend(self.config.io_backend)
         self._io = throttled(io, self.config.disk_read_bytes_per_second, self.config.disk_write_bytes_per_second)
@@ -515,13 +515,19 @@ def _tune_switch_interval() -> None:
         sys.setswitchinterval(SWITCH_INTERVAL)
 
 
-def _tune_gc() -> None:
+def _tune_gc(max_batch_blocks: int = 0) -> None:
     """A Store of 4096 blocks makes ~10k long-lived objects (entries and their keys, no cycles
     among them): at CPython's default thresholds that is a dozen young collections per call and a
     full one (a walk of every entry in the daemon) every few calls - measured 1.6 -> 0.6 us per
-    new entry with 200k live. Collect young objects less often; cycles are still collected."""
+    new entry with 200k live. Collect young objects less often; cycles are still collected.
+    At least twice the largest batch: a Store builds an entry per new block before the batch it
+    evicts is freed (the host LRU lets a Store's entries go as one group, once all are evicted), so
+    a threshold under the batch size made every large Store walk its new entries in a young
+    collection that frees nothing (65536 blocks: 13-24 ms a Store, ~0.25 us an entry, CPU box);
+    in the steady state a Store frees as many as it builds, and the count stays under this one."""
     young, mid, old = gc.get_threshold()
-    if young and young < GC_YOUNG_THRESHOLD:
-        gc.set_threshold(GC_YOUNG_THRESHOLD, max(mid, 20), max(old, 50))
+    want = max(GC_YOUNG_THRESHOLD, 2 * max_batch_blocks + 16384)
+    if young and young < want:
+        gc.set_threshold(want, max(mid, 20), max(old, 50))
 
 
