@@ -18,6 +18,12 @@ Last, the same Store and Load with each copy replaced by a modeled DMA: a sleep 
 time each way, as through one copy engine): "x dma" is
 that modeled copy time over the call's wall time, a CPU-box proxy of the Store / D2H and Load /
 H2D ratios of bench/gpu_bandwidth.py (what the core leaves un-overlapped with the copies).
+"x dma+launch" adds the copy thread's own launch work, which holds the GIL against the event loop
+on a GPU host: per 32 MiB chunk --launch-gather / --launch-scatter ("us a chunk,us a row") of Python
+busy work before the modeled DMA (which starts once the first chunk is launched and the copy
+engine is free). The defaults come from the H100 call timelines (BENCHMARKS.md, KVTUNE_TRACE):
+gather.start -> gather.queued ~0.14 ms a chunk of 2 MiB rows, 0.3-0.45 ms a chunk of 512 x 64 KiB;
+scatter ~0.13 and ~0.23.
 """
 
 from __future__ import annotations
@@ -49,7 +55,8 @@ def best(fn, rounds: int) -> float:
 
 
 async def measure(block_bytes: int, batch: int, rounds: int, tmp: str, dma_gbps: float,
-                  copies: bool = True) -> dict[str, float]:
+                  copies: bool = True, launch_gather: tuple[float, float] = (130.0, 0.4),
+                  launch_scatter: tuple[float, float] = (130.0, 0.2)) -> dict[str, float]:
     cfg = replace(Config(), socket_path=os.path.join(tmp, "kv.sock"), host_capacity_bytes=3 * batch * block_bytes,
                   disk_path="", disk_capacity_bytes=0, max_batch_blocks=max(8192, batch), io_backend="posix",
                   prefetch_share=1.0, prefetch_total_share=1.0, pin_lease_seconds=1.0, lease_seconds=1e9)
@@ -145,6 +152,40 @@ async def measure(block_bytes: int, batch: int, rounds: int, tmp: str, dma_gbps:
     await timed("store_dma", new_batch, lambda hs: cache.store(sid, hs, ids), all_ok(1))
     await timed("load_dma", lambda: last[0], lambda hs: cache.load(sid, hs, ids), all_ok(1))
     loop_time["dma"] = batch * block_bytes / (dma_gbps * 1e9)
+    # the same with the copy thread's launch work modeled too: per 32 MiB chunk, launch[0] us + launch[1] us a
+    # row of Python holding the GIL (as torch / CuPy launches do, switch interval and all), the DMA of the copy
+    # starting once its first chunk is launched and the engine is free; enqueued() once every chunk is launched
+    engines = {"d2h": [threading.Lock(), 0.0], "h2d": [threading.Lock(), 0.0]}  # lock, time the engine is free
+
+    def launched_copy(n: int, kind: str, enqueued, cost: tuple[float, float]) -> None:
+        per = max(1, (32 << 20) // block_bytes)
+        chunks = [min(per, n - lo) for lo in range(0, n, per)]
+        lock, free = engines[kind], None
+
+        def busy(us: float) -> None:  # Python holding the GIL (given up at each switch interval)
+            end = time.perf_counter() + us * 1e-6
+            while time.perf_counter() < end:
+                pass
+        busy(cost[0] + cost[1] * chunks[0])
+        with lock[0]:
+            start = max(time.perf_counter(), lock[1])
+            lock[1] = free = start + n * block_bytes / (dma_gbps * 1e9)
+        for k in chunks[1:]:
+            busy(cost[0] + cost[1] * k)
+        if enqueued is not None:
+            enqueued()
+        time.sleep(max(0.0, free - time.perf_counter()))
+
+    def modeled(kind: str, cost: tuple[float, float], result):
+        def call(block_ids, arena, offsets, enqueued=None):
+            launched_copy(len(block_ids), kind, enqueued, cost)
+            return result(block_ids)
+        return call
+
+    mem.gather_into = modeled("d2h", launch_gather, lambda b: [0] * len(b))
+    mem.scatter_from = modeled("h2d", launch_scatter, lambda b: None)
+    await timed("store_launch", new_batch, lambda hs: cache.store(sid, hs, ids), all_ok(1))
+    await timed("load_launch", lambda: last[0], lambda hs: cache.load(sid, hs, ids), all_ok(1))
     mem.gather_into, mem.scatter_from = real_gather, real_scatter
     if copies:
         await cache.store(sid, new_batch(), ids)  # real bytes in the slots the copies below use
@@ -173,19 +214,24 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--no-copies", action="store_true", help="leave out the rows of the real copies (faster)")
     p.add_argument("--dma-gbps", type=float, default=55.0, help="the modeled copy's GB/s (H200 pinned D2H/H2D: ~55)")
+    p.add_argument("--launch-gather", default="130,0.4",
+                   help="modeled launch work of a Store's copy, 'us a 32 MiB chunk,us a row' (H100 trace)")
+    p.add_argument("--launch-scatter", default="130,0.2", help="the same for a Load's copy")
     a = p.parse_args()
+    lg = tuple(float(x) for x in a.launch_gather.split(","))
+    ls = tuple(float(x) for x in a.launch_scatter.split(","))
     sizes = [int(x) for x in a.sizes.split(",")]
     batches = [int(x) for x in a.batches.split(",")]
     print("us per block, best of", a.rounds, "rounds; core: the call with no-op copies (same run)")
     print()
     print("| block | batch | gather_into | store | store core | store core cpu | scatter_from | load | load core "
           "| load core cpu | store_hit | store_hit cpu | lookup | lookup cpu | prefetch | prefetch cpu "
-          "| store x dma | load x dma |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| store x dma | load x dma | store x dma+launch | load x dma+launch |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for bb in sizes:
             for n in batches:
-                r = asyncio.run(measure(bb, n, a.rounds, tmp, a.dma_gbps, not a.no_copies))
+                r = asyncio.run(measure(bb, n, a.rounds, tmp, a.dma_gbps, not a.no_copies, lg, ls))
                 us = {k: v / n * 1e6 for k, v in r.items()}
                 print(f"| {bb // 1024} KiB | {n} | {us['gather_into']:.2f} | {us['store']:.2f} "
                       f"| {us['store_core']:.2f} | {us['store_core_cpu']:.2f} | {us['scatter_from']:.2f} "
@@ -193,7 +239,8 @@ def main() -> None:
                       f"| {us['store_hit']:.2f} | {us['store_hit_cpu']:.2f} | {us['lookup']:.2f} "
                       f"| {us['lookup_cpu']:.2f} | {us['prefetch']:.2f} "
                       f"| {us['prefetch_cpu']:.2f} | {r['dma'] / r['store_dma']:.2f} "
-                      f"| {r['dma'] / r['load_dma']:.2f} |", flush=True)
+                      f"| {r['dma'] / r['load_dma']:.2f} | {r['dma'] / r['store_launch']:.2f} "
+                      f"| {r['dma'] / r['load_launch']:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
