@@ -5,8 +5,7 @@ Store's and Load's wall time goes: per call kind and size, each stage's time fro
     .venv/bin/python bench/trace_timeline.py FILE [--skip 0]
 
 Stages: store = validated and reserved (`reserved`), per part the host room made (`room`), the copy
-handed to a copy thread (`submitted`), its entries built beside it (`built`), queued on the device
-(`enqueued`), its end awaited (`copied`),
+handed to a copy thread (`submitted`), queued on the device (`enqueued`), its end awaited (`copied`),
 `committed`, `end`; load = `pinned`, `submitted`, `copied`, `end`. The copy threads' own stamps
 (gather.* / scatter.*: start, every chunk queued, done; a gather also its lane and staging, its ids on
 the device, and its first chunk's kernel, CRC and D2H launched) are those inside the call's window,

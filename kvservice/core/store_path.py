@@ -172,9 +172,9 @@ class StorePath:
     async def _store_chunk(self, s: Session, pos: list[int], res: Reservation, bids: list[int], ttl: float,
                            now: float, results: StoreResults, call: int = 0) -> bool:
         """Store what fits of one chunk (the next len(pos) hashes of res); False when some of it did
-        not fit. Plan (evict, no await), wait for the spills that make the room, take slots, hand the
-        copy of the engine's blocks straight into them to a copy thread, build the reserved entries
-        beside it (Lifecycle.build) and place the slots on them, commit. Cancelled or failed before the commit, the
+        not fit. Plan (evict, no await), wait for the spills that make the room, take slots, build the
+        reserved entries (Lifecycle.build) and place the slots on them, copy
+        the engine's blocks straight into them, commit. Cancelled or failed before the commit, the
         reservations are rolled back; their slots go once the copy thread is done with them.
         A chunk of more than 2 x pipeline.PIPELINE_BLOCKS is planned and copied in parts (_parts: growing
         from pipeline.PIPELINE_FIRST to pipeline.PIPELINE_BLOCKS), the plan of a part beside the copy of the one
@@ -196,19 +196,12 @@ class StorePath:
                 fit, offsets = await self._host_room(s.block_bytes, want, now)
                 TRACE.mark(call, "room")
                 if fit:
-                    # the copy needs only ids and slots: handed over first, the part's entries built
-                    # beside it, with no await between (so nothing else sees the slots without them)
+                    placed = life.build(res, fit)
+                    life.place(placed, offsets)
                     copy, enq = pipeline.copy_call(s.memory, "gather_into", loop, hi < n)
-                    fut = loop.run_in_executor(self._copy_pool, copy, bids[lo:lo + fit], t.host.arena, offsets)
+                    jobs.append((loop.run_in_executor(self._copy_pool, copy, bids[lo:lo + fit], t.host.arena, offsets),
+                                 placed))
                     TRACE.mark(call, "submitted")
-                    try:
-                        placed = life.build(res, fit)
-                        life.place(placed, offsets)
-                    except BaseException:  # (a bug): the slots go back once the copy is done with them
-                        pipeline.when_copy_ends(fut, functools.partial(t.host.free, offsets, s.block_bytes))
-                        raise
-                    jobs.append((fut, placed))
-                    TRACE.mark(call, "built")
                     placed_n = lo + fit
                     if enq is not None:  # the next plan once this copy is queued (or over): see pipeline.ENQUEUE_FIRST
                         await asyncio.wait((enq, jobs[-1][0]), return_when=asyncio.FIRST_COMPLETED)
