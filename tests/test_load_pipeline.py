@@ -8,7 +8,8 @@ bookkeeping runs beside the next part's copy. Driven with parts of two blocks:
   - a later part with a miss: the head goes in parts, that part and the rest as one batch (the
     miss MISSING, the others LOADED), the whole chain refreshed head newest;
   - each part is looked up when it is handed over: a block evicted while an earlier part copies is
-    MISSING (never stale bytes), the others LOADED, nothing left pinned.
+    MISSING (never stale bytes), the others LOADED, nothing left pinned;
+  - cancelled while that rest's one batch copies, it leaves no pin either.
 """
 
 from __future__ import annotations
@@ -35,12 +36,13 @@ def parts_of_two(monkeypatch, request):
 
 @pytest.fixture
 def scatters(monkeypatch):
-    """Host -> engine copies, counted; each waits at `gate` (open unless a test closes it), and the
-    one numbered `fail_at` (0-based) raises in its copy thread."""
+    """Host -> engine copies, counted; each from the one numbered `hold_from` (0-based) on waits at
+    `gate` (open unless a test closes it), and the one numbered `fail_at` raises in its copy thread."""
     gate = Gate()
     gate.open.set()
     gate.calls = []
     gate.fail_at = -1
+    gate.hold_from = 0
     real = ShmEngineMemory.scatter_from
 
     def scatter(self, block_ids, arena, offsets, enqueued=None):
@@ -48,13 +50,25 @@ def scatters(monkeypatch):
         gate.calls.append(list(block_ids))
         if enqueued is not None:  # as a device copy: queued at once, its end waits (pipeline.ENQUEUE_FIRST)
             enqueued()
-        gate.wait()
+        if k >= gate.hold_from:
+            gate.wait()
         if k == gate.fail_at:
             raise OSError("engine pool gone")
         return real(self, block_ids, arena, offsets)
 
     monkeypatch.setattr(ShmEngineMemory, "scatter_from", scatter)
     return gate
+
+
+async def held_load(eng, scatters, stored: list[int], numbers: list[int], inside: int) -> asyncio.Future:
+    """Store `stored`, close the copies' gate and start a Load of `numbers`: its task, once
+    `inside` of its copies wait at the gate."""
+    assert {r.status for r in await eng.store(stored)} == {StoreStatus.STORED}
+    scatters.calls.clear()
+    scatters.open.clear()
+    task = asyncio.ensure_future(eng.load(numbers))
+    await until(lambda: scatters.inside >= inside, f"{inside} of the Load's copies in flight")
+    return task
 
 
 async def test_a_load_in_parts_is_byte_exact_and_refreshes_one_chain(tmp_path, parts_of_two, scatters):
@@ -79,11 +93,7 @@ async def test_a_load_cancelled_in_its_second_part_leaves_no_pin(tmp_path, parts
     async with started_cache(cfg) as cache:
         async with engine_on(cache, 64) as eng:
             try:
-                assert {r.status for r in await eng.store(list(range(10)))} == {StoreStatus.STORED}
-                scatters.calls.clear()
-                scatters.open.clear()
-                task = asyncio.ensure_future(eng.load(list(range(10))))
-                await until(lambda: scatters.inside >= 2, "two parts' copies in flight")
+                task = await held_load(eng, scatters, list(range(10)), list(range(10)), 2)
                 assert cache.audit(idle=False) == []
                 await cancelled(task)
                 scatters.open.set()
@@ -134,11 +144,7 @@ async def test_a_block_evicted_while_an_earlier_part_copies_is_missing(tmp_path,
     async with started_cache(cfg) as cache:
         async with engine_on(cache, 64) as eng:
             try:
-                assert {r.status for r in await eng.store(list(range(10)))} == {StoreStatus.STORED}
-                scatters.calls.clear()
-                scatters.open.clear()
-                task = asyncio.ensure_future(eng.load(list(range(10))))
-                await until(lambda: scatters.inside >= 1, "the first part's copy in flight")
+                task = await held_load(eng, scatters, list(range(10)), list(range(10)), 1)
                 d = cache.tiers.index.namespace(cache._sessions.get(eng.sid).namespace)
                 victim = d[h(8)]
                 assert not victim.pins  # not looked up yet: its part is not handed over
@@ -149,6 +155,29 @@ async def test_a_block_evicted_while_an_earlier_part_copies_is_missing(tmp_path,
                 rs = await task
                 assert [r.status for r in rs] == [LoadStatus.LOADED] * 8 + [LoadStatus.MISSING, LoadStatus.LOADED]
                 await until(lambda: scatters.inside == 0, "the copies to end")
+                assert cache.audit() == []
+            finally:
+                scatters.open.set()
+
+
+async def test_a_load_cancelled_while_the_rest_after_its_parts_copies_leaves_no_pin(tmp_path, parts_of_two, scatters):
+    """Three parts of host hits go, then the rest (from the part with a miss) is one batch: cancelled
+    while that batch's copy runs, the Load leaves no pin once it ends, and loads again."""
+    cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=32 * BLOCK)
+    async with started_cache(cfg) as cache:
+        async with engine_on(cache, 64) as eng:
+            try:
+                scatters.hold_from = 3  # the three head parts pass; the rest's copy waits
+                task = await held_load(eng, scatters, list(range(6)) + list(range(7, 10)), list(range(10)), 1)
+                assert [len(c) for c in scatters.calls] == [2, 2, 2, 3]
+                assert cache.audit(idle=False) == []
+                await cancelled(task)
+                scatters.open.set()
+                await until(lambda: scatters.inside == 0, "the copy to end")
+                await asyncio.sleep(0.05)  # its done callback runs on the loop
+                assert cache.audit() == []  # no pin left (idle audit)
+                rs = await eng.load(list(range(10)))
+                assert [r.status for r in rs] == [LoadStatus.LOADED] * 6 + [LoadStatus.MISSING] + [LoadStatus.LOADED] * 3
                 assert cache.audit() == []
             finally:
                 scatters.open.set()
