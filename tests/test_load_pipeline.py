@@ -71,6 +71,17 @@ async def held_load(eng, scatters, stored: list[int], numbers: list[int], inside
     return task
 
 
+async def cancel_then_drain(task: asyncio.Future, scatters, cache) -> None:
+    """Cancel a held Load (the cache consistent meanwhile), open the gate, and once its copies have
+    ended and their done callbacks ran: no pin left (the idle audit)."""
+    assert cache.audit(idle=False) == []
+    await cancelled(task)
+    scatters.open.set()
+    await until(lambda: scatters.inside == 0, "the copies to end")
+    await asyncio.sleep(0.05)  # their done callbacks run on the loop
+    assert cache.audit() == []
+
+
 async def test_a_load_in_parts_is_byte_exact_and_refreshes_one_chain(tmp_path, parts_of_two, scatters):
     cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=32 * BLOCK)
     async with started_cache(cfg) as cache:
@@ -94,12 +105,7 @@ async def test_a_load_cancelled_in_its_second_part_leaves_no_pin(tmp_path, parts
         async with engine_on(cache, 64) as eng:
             try:
                 task = await held_load(eng, scatters, list(range(10)), list(range(10)), 2)
-                assert cache.audit(idle=False) == []
-                await cancelled(task)
-                scatters.open.set()
-                await until(lambda: scatters.inside == 0, "the copies to end")
-                await asyncio.sleep(0.05)  # their done callbacks run on the loop
-                assert cache.audit() == []  # no pin left (idle audit)
+                await cancel_then_drain(task, scatters, cache)
                 rs = await eng.load(list(range(10)))
                 assert [r.status for r in rs] == [LoadStatus.LOADED] * 10
                 assert cache.audit() == []
@@ -170,12 +176,7 @@ async def test_a_load_cancelled_while_the_rest_after_its_parts_copies_leaves_no_
                 scatters.hold_from = 3  # the three head parts pass; the rest's copy waits
                 task = await held_load(eng, scatters, list(range(6)) + list(range(7, 10)), list(range(10)), 1)
                 assert [len(c) for c in scatters.calls] == [2, 2, 2, 3]
-                assert cache.audit(idle=False) == []
-                await cancelled(task)
-                scatters.open.set()
-                await until(lambda: scatters.inside == 0, "the copy to end")
-                await asyncio.sleep(0.05)  # its done callback runs on the loop
-                assert cache.audit() == []  # no pin left (idle audit)
+                await cancel_then_drain(task, scatters, cache)
                 rs = await eng.load(list(range(10)))
                 assert [r.status for r in rs] == [LoadStatus.LOADED] * 6 + [LoadStatus.MISSING] + [LoadStatus.LOADED] * 3
                 assert cache.audit() == []
