@@ -18,7 +18,6 @@ buffers as they are: views into slabs, so a batch costs a few copies, not one pe
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import mmap
 import os
@@ -34,18 +33,6 @@ from kvservice.core.sessions_api import PoolSpec
 from kvservice.core.types import CacheError, ErrorCode
 
 SLAB_BYTES = 16 << 20  # host rows are carved from slabs below glibc's largest mmap threshold
-
-
-def keep_freed_host_memory() -> None:
-    """Let glibc keep freed host-tier slabs in the heap for reuse instead of returning them to
-    the OS, so each new Store does not pay page faults on fresh memory. Linux/glibc only."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, 32 << 20)
-    libc.mallopt(m_trim_threshold, 1 << 30)
 
 
 class ShmEngineMemory:
@@ -91,7 +78,7 @@ class ShmEngineMemory:
 
     def gather(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
         """One host row per block, as views into slabs of at most SLAB_BYTES: freed slabs go back
-        to the heap and are reused without fresh page faults (see keep_freed_host_memory)."""
+        to the heap and are reused without fresh page faults (kvservice.ops.heap)."""
         idx = torch.as_tensor(list(block_ids), dtype=torch.long)
         per_slab = max(1, SLAB_BYTES // self.block_bytes)
         rows: list[torch.Tensor] = []

@@ -111,7 +111,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     from kvservice.api.server import StartupError, serve  # grpc and the core load only when serving
+    from kvservice.ops.heap import keep_transient_buffers
 
+    keep_transient_buffers()  # the daemon's own process: a call's MiB-sized buffers stay mapped (ops/heap.py)
     try:
         asyncio.run(serve(config))
     except StartupError as e:
