@@ -43,7 +43,7 @@ from engine_client.lookup_channel import AsyncLookupChannel, ChannelDown
 from engine_client.namespace import Namespace
 from engine_client.registration import register, unix_socket_path
 from engine_client.results import LoadResults, PrefetchStatuses, StoreResults
-from kvwire.lookup_frames import MAX_REPLY_BYTES
+from kvwire.lookup_frames import MAX_REPLY_BYTES, data_request_parts
 from kvwire.v1 import kvcache_pb2, kvcache_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -275,10 +275,9 @@ class AsyncKVClient:
         out = StoreResults()
         await self._batched(
             "Store", len(ids),
-            # built as the frames channel's request; _call makes the gRPC one only if it must go there
-            lambda sid, lo, hi: kvcache_pb2.ChannelRequest(
-                call=kvcache_pb2.STORE, session_id=sid, hashes=packed[lo * HASH_BYTES:hi * HASH_BYTES],
-                block_ids=ids[lo:hi], ttl_seconds=ttl_seconds),
+            # the frames channel's request; _call makes the gRPC one only if it must go there
+            lambda sid, lo, hi: _DataRequest(kvcache_pb2.STORE, sid, packed[lo * HASH_BYTES:hi * HASH_BYTES],
+                                             ids[lo:hi], ttl_seconds),
             lambda reply: (reply.statuses, reply.deadlines),
             lambda reply: out.extend(reply.statuses, reply.deadlines, reply.messages),
             lambda k: out.fill(k, kvcache_pb2.NOT_STORED, UNREACHABLE),
@@ -296,9 +295,8 @@ class AsyncKVClient:
         out = LoadResults()
         await self._batched(
             "Load", len(ids),
-            lambda sid, lo, hi: kvcache_pb2.ChannelRequest(  # as store(): the gRPC one only if needed
-                call=kvcache_pb2.LOAD, session_id=sid, hashes=packed[lo * HASH_BYTES:hi * HASH_BYTES],
-                block_ids=ids[lo:hi]),
+            lambda sid, lo, hi: _DataRequest(kvcache_pb2.LOAD, sid, packed[lo * HASH_BYTES:hi * HASH_BYTES],
+                                             ids[lo:hi]),  # as store(): the gRPC one only if needed
             lambda reply: (reply.statuses, reply.tiers),
             lambda reply: out.extend(reply.statuses, reply.tiers, reply.messages),
             lambda k: out.fill(k, kvcache_pb2.MISSING, UNREACHABLE),
@@ -404,7 +402,7 @@ class AsyncKVClient:
             return UNANSWERED
         return lookup_channel_answer(got, asked)
 
-    async def _channel_call(self, rpc: str, request: bytes, session: _Session, limit: int = MAX_REPLY_BYTES
+    async def _channel_call(self, rpc: str, request: bytes | list, session: _Session, limit: int = MAX_REPLY_BYTES
                             ) -> kvcache_pb2.ChannelReply | None:
         """One call on the frames channel: its answer; None: use gRPC (no channel, or it cannot answer);
         UNANSWERED_REPLY: detached, as on gRPC's detaching codes (a Load that timed out closes the
@@ -433,13 +431,13 @@ class AsyncKVClient:
         gRPC); None when the daemon is unreachable (and the client detaches)."""
         assert self._stub is not None
         if rpc in _CHANNEL_CALLS and self._use_lookup_channel and session.lookup_socket:
-            got = await self._channel_call(rpc, request.SerializeToString(), session, MAX_DATA_REPLY_BYTES)
+            got = await self._channel_call(rpc, request.parts(), session, MAX_DATA_REPLY_BYTES)
             if got is UNANSWERED_REPLY:
                 return None
             if got is not None:
                 return got  # the fields of the StoreReply / LoadReply, codes as bytes (one per block)
-        if isinstance(request, kvcache_pb2.ChannelRequest):
-            request = _grpc_request(rpc, request)
+        if isinstance(request, _DataRequest):
+            request = request.grpc_request()
         try:
             return await getattr(self._stub, rpc)(request, timeout=self._timeout)
         except grpc.aio.AioRpcError as err:
@@ -661,11 +659,24 @@ def _pack_refs(hashes: Sequence[bytes], block_ids: Sequence[int]) -> tuple[bytes
     return _pack(hashes), list(block_ids)
 
 
-def _grpc_request(rpc: str, request: kvcache_pb2.ChannelRequest) -> kvcache_pb2.StoreRequest | kvcache_pb2.LoadRequest:
-    """A Store or Load built for the frames channel, as the gRPC call's request (when it must go there)."""
-    if rpc == "Store":
-        return kvcache_pb2.StoreRequest(session_id=request.session_id, namespace_id=request.namespace_id,
-                                        hashes=request.hashes, block_ids=request.block_ids,
-                                        ttl_seconds=request.ttl_seconds)
-    return kvcache_pb2.LoadRequest(session_id=request.session_id, namespace_id=request.namespace_id,
-                                   hashes=request.hashes, block_ids=request.block_ids)
+@dataclass(frozen=True)
+class _DataRequest:
+    """One Store or Load batch: sent on the frames channel as parts (data_request_parts: the packed
+    hashes are not copied into a message and again into its serialization), or as the gRPC call's
+    request when it must go there."""
+
+    call: int  # kvcache_pb2.STORE / LOAD
+    session_id: str
+    hashes: bytes | memoryview  # n x HASH_BYTES, packed
+    block_ids: Sequence[int]
+    ttl_seconds: float = 0.0
+
+    def parts(self) -> list[bytes | memoryview]:
+        return data_request_parts(self.call, self.session_id, self.hashes, self.block_ids, self.ttl_seconds)
+
+    def grpc_request(self) -> kvcache_pb2.StoreRequest | kvcache_pb2.LoadRequest:
+        if self.call == kvcache_pb2.STORE:
+            return kvcache_pb2.StoreRequest(session_id=self.session_id, hashes=bytes(self.hashes),
+                                            block_ids=self.block_ids, ttl_seconds=self.ttl_seconds)
+        return kvcache_pb2.LoadRequest(session_id=self.session_id, hashes=bytes(self.hashes),
+                                       block_ids=self.block_ids)

@@ -1,6 +1,7 @@
 """The Lookup channel's encodings built without protobuf messages on the hot path: the engine's
-framed LookupRequest (kvwire.lookup_frames.request_frame) and the daemon's ChannelReply
-(kvservice.api.convert.lookup_channel_reply) carry exactly what the messages would."""
+framed LookupRequest (kvwire.lookup_frames.request_frame), its Store and Load requests in parts
+(data_request_parts) and the daemon's ChannelReply (kvservice.api.convert.lookup_channel_reply)
+carry exactly what the messages would."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import random
 import pytest
 
 from kvservice.api import convert
-from kvwire.lookup_frames import HEADER, frame, request_frame
+from kvwire.lookup_frames import HEADER, data_request_parts, frame, request_frame
 from kvwire.v1 import kvcache_pb2
 
 
@@ -35,6 +36,23 @@ def test_request_frame_takes_any_bytes_like_hash():
 @pytest.mark.parametrize("hashes", [[b"x" * 31], [b"x" * 32, b"y" * 33], [b"x" * 32, 7], ["x" * 32], [None]])
 def test_request_frame_refuses_hashes_that_are_not_32_bytes(hashes):
     assert request_frame("s", hashes) is None
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 128, 8192])
+@pytest.mark.parametrize("call", [kvcache_pb2.STORE, kvcache_pb2.LOAD])
+def test_data_request_parts_concatenate_to_the_serialized_message(n, call):
+    rng = random.Random(n)
+    packed = rng.randbytes(32 * n)
+    # block ids of every varint length, up to the largest uint32
+    ids = [rng.choice((0, 1, 127, 128, 16383, 16384, 1 << 21, 1 << 28, (1 << 32) - 1, rng.randrange(1 << 32)))
+           for _ in range(n)]
+    for session_id, namespace_id, ttl in [("s" * 43, "", 0.0), ("", "", 7.5), ("x", "a-namespace", 1e9), ("é", "ü", 0.25)]:
+        for hashes in (packed, memoryview(packed)):  # the caller's buffer travels as given
+            parts = data_request_parts(call, session_id, hashes, ids, ttl, namespace_id)
+            assert any(p is hashes for p in parts) == bool(n)  # not copied
+            want = kvcache_pb2.ChannelRequest(call=call, session_id=session_id, namespace_id=namespace_id,
+                                              hashes=packed, block_ids=ids, ttl_seconds=ttl)
+            assert kvcache_pb2.ChannelRequest.FromString(b"".join(bytes(p) for p in parts)) == want
 
 
 @pytest.mark.parametrize("tiers", [[], [2], [2] * 1024, [3] * 7, [2] * 100 + [3] + [2] * 5, [3, 2, 3], (2, 2, 2),
