@@ -71,3 +71,37 @@ async def test_a_full_tier_spills_each_store_as_one_batch_and_no_reservation_fai
             assert sum(r.tier == Tier.DISK for r in res) == 4 * N
         finally:
             pool.close()
+
+
+async def test_a_written_batch_settles_at_once_with_its_figures_exact(tmp_path, monkeypatch):
+    """Scenario: Stores of 16 new blocks (every other one retained) into a full host tier whose spill
+    staging budget holds 4 blocks, so each written batch has staged victims (off the tier's capacity)
+    and unstaged ones (still on it, members of the host tier until written): every batch settles
+    through Lifecycle.spills_written as one pass, and after each Store the tiers' and namespaces'
+    figures are exact (audit walks every block), the disk copies load byte-exact."""
+    cfg = small_config(tmp_path, disk_blocks=8 * N, host_capacity_bytes=N * BLOCK)
+    async with started_cache(cfg) as cache:
+        pool = Pool(num_blocks=14 * N)  # Loads go to its upper part
+        try:
+            eng = Engine(cache, pool)
+            t = cache.tiers
+            t.host.staging_bytes = 4 * BLOCK
+            seen: list[tuple[int, int]] = []  # (staged, unstaged) entries of each batch settled at once
+            real = t.life.spills_written
+
+            def spills_written(entries):
+                seen.append((sum(e.staged for e in entries), sum(not e.staged for e in entries)))
+                return real(entries)
+            monkeypatch.setattr(t.life, "spills_written", spills_written)
+            for k in range(7):
+                await eng.store(list(range(k * N, (k + 1) * N)), ttl=60.0 if k % 2 else 0.0)
+                await _settled(cache)
+                assert cache.audit() == []
+            assert sum(s for s, _ in seen) > 0 and sum(u for _, u in seen) > 0, seen
+            assert sum(s + u for s, u in seen) == 6 * N  # every spill settled in a batch
+            res = await eng.load(list(range(0, 6 * N)))  # Engine.load compares the bytes
+            assert all(r.status == LoadStatus.LOADED and r.tier == Tier.DISK for r in res)
+            await _settled(cache)  # the disk hits' onboarding into host slots, after the reply
+            assert cache.audit() == []
+        finally:
+            pool.close()

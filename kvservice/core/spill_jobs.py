@@ -144,9 +144,18 @@ class SpillJobs:
             self._writing.difference_update(locs)
             self.life.unpin(batch)
             spilled: dict[str, int] = {}
+            # the usual block (written, still queued and spilling, nothing else holding it, its deadline the
+            # one written) settles in one batch; any other one by one
+            holds, queued = self.index.holds, DiskState.QUEUED
+            plain: list[Entry] = []
             for e, loc, block, fault in zip(batch, locs, blocks, faults):
-                if self._settle_spill(e, loc, block, fault):
+                if (fault is None and e.disk == queued and e.spilling and not e.pins and not e.release_pending
+                        and e.deadline == block.deadline and holds(e)):
+                    plain.append(e)
                     spilled[e.namespace] = spilled.get(e.namespace, 0) + 1
+                elif self._settle_spill(e, loc, block, fault):
+                    spilled[e.namespace] = spilled.get(e.namespace, 0) + 1
+            self.life.spills_written(plain)
             for ns, k in spilled.items():
                 self.stats.bump(ns, "spills", k)
             if not settled.done():

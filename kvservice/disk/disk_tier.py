@@ -77,6 +77,17 @@ class DiskTier:
         else:
             self.unmarked.touch([entry])
 
+    def commit_many(self, entries: Sequence[Entry]) -> None:
+        """commit() for each, in order (the unmarked ones newest in that order), as batch passes."""
+        queued = self.queued
+        for e in entries:
+            del queued[id(e)]
+        self._on_disk += len(entries)
+        self.retained.update({id(e): e for e in entries if e.deadline > 0})
+        plain = [e for e in entries if e.deadline <= 0]
+        if plain:
+            self.unmarked.touch(plain[::-1])  # touch() makes its chain's head newest: the last one here
+
     def release(self, entry: Entry) -> None:
         self._on_disk -= 1
         self.used_bytes -= entry.size
