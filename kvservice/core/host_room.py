@@ -286,8 +286,8 @@ class HostRoom:
             elif not self._reserve_slot(e, now):
                 self._drop(e)
                 continue
-            self.life.evict(e, keep_slot=True)
             out.append(e)
+        self.life.evict_to_spill_many(out)
         return out
 
     def _count_by_ns(self, entries: list[Entry], counter: str) -> None:

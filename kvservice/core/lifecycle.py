@@ -381,6 +381,43 @@ class Lifecycle:
         else:
             self.release(e)
 
+    def evict_to_spill_many(self, entries: Sequence[Entry]) -> None:
+        """evict(e, keep_slot=True) for each, in order (RESIDENT -> SPILLING: their spills are queued),
+        as batch passes: the staging budget goes to them in order, the figures of the ones staged
+        (off the tier's capacity now) summed per namespace. For a Store's victims of a full tier,
+        one walk of the state per block was ~10% of the loop's cost of a spilled 64 KiB block."""
+        if not entries:
+            return
+        host = self.host
+        host.lru_discard_many(entries)
+        spilling, unstaged = host.spilling, host.unstaged
+        leave, holds = host.counts.leave, self.index.holds
+        room = host.staging_bytes - host.staged_bytes
+        staged = 0
+        by_ns: dict[NamespaceId, list[int]] = {}
+        for e in entries:
+            e.spilling = True
+            spilling[id(e)] = e
+            size = e.size
+            if size > room:  # staged in spill order, as the budget frees up (_promote)
+                unstaged[id(e)] = e
+                continue
+            room -= size
+            staged += size
+            if in_host_tier(e):
+                leave(e)
+            if e.slot >= 0 and not e.staged and holds(e):  # its host_buf leaves the namespace's figures
+                r = by_ns.get(e.namespace)
+                if r is None:
+                    r = by_ns[e.namespace] = [0, 0]
+                r[0] += 1
+                r[1] += size
+            e.staged = True
+        host.staged_bytes += staged
+        host.used_bytes -= staged
+        for ns, (k, nbytes) in by_ns.items():
+            self.ns_counts.host(ns, -k, -nbytes)
+
     def evict_many(self, entries: Sequence[Entry], plain: bool = False) -> None:
         """RESIDENT -> NONE for a batch of victims (one arena call per block size); a pinned one
         waits for its last unpin as with evict(). plain: the caller knows them unpinned, resident
