@@ -152,9 +152,9 @@ class SpillJobs:
                 if (fault is None and e.disk == queued and e.spilling and not e.pins and not e.release_pending
                         and e.deadline == block.deadline and holds(e)):
                     plain.append(e)
-                    spilled[e.namespace] = spilled.get(e.namespace, 0) + 1
-                elif self._settle_spill(e, loc, block, fault):
-                    spilled[e.namespace] = spilled.get(e.namespace, 0) + 1
+                elif not self._settle_spill(e, loc, block, fault):
+                    continue
+                spilled[e.namespace] = spilled.get(e.namespace, 0) + 1
             self.life.spills_written(plain)
             for ns, k in spilled.items():
                 self.stats.bump(ns, "spills", k)
