@@ -108,25 +108,38 @@ class HostRoom:
         """Queue spills. What the queue cannot take now is submitted by a task of the tiers' own,
         returned (backpressure under the "wait" policy). drain() waits for these tasks.
         None: all queued."""
-        for k, v in enumerate(spills):
-            if not self.writes.try_submit(v):  # the queue is full: the rest waits (or sheds) in a task
-                task = asyncio.ensure_future(self._submit_spills(spills[k:], now))
-                self._header_tasks.add(task)
-                task.add_done_callback(self._header_tasks.discard)
-                return task
-        return None
+        k = self.writes.try_submit_many(spills)
+        if k == len(spills):
+            return None
+        task = asyncio.ensure_future(self._submit_spills(spills, k, now))  # the queue is full: the rest waits (or sheds)
+        self._header_tasks.add(task)
+        task.add_done_callback(self._header_tasks.discard)
+        return task
 
-    async def _submit_spills(self, spills: list[Entry], now: float) -> None:
-        """A spill not submitted (the daemon is stopping) is abandoned, never left QUEUED."""
-        for k, v in enumerate(spills):
-            try:
-                await self._submit_spill(v, now)
-            except BaseException:
-                for rest in spills[k:]:
-                    if rest.disk == DiskState.QUEUED:
-                        self.stats.bump(rest.namespace, "drops_pressure")
-                        self._abandon_spill(rest)
-                raise
+    async def _submit_spills(self, spills: list[Entry], k: int, now: float) -> None:
+        """Submit spills[k:] as the queue makes room, each run that fits with one call. Under the
+        "shed" policy a best-effort spill that finds the queue full is dropped (retained ones wait).
+        A spill not submitted (the daemon is stopping) is abandoned, never left QUEUED."""
+        writes = self.writes
+        shed = writes.policy == "shed"
+        try:
+            while k < len(spills):
+                k = writes.try_submit_many(spills, k)
+                if k == len(spills):
+                    break
+                v = spills[k]
+                if shed and not v.retained(now):
+                    self.stats.bump(v.namespace, "drops_pressure")
+                    self._abandon_spill(v)
+                    k += 1
+                    continue
+                await writes.room()
+        except BaseException:
+            for rest in spills[k:]:
+                if rest.disk == DiskState.QUEUED:
+                    self.stats.bump(rest.namespace, "drops_pressure")
+                    self._abandon_spill(rest)
+            raise
 
     def _host_candidates(self, now: float):
         """Host entries that may be evicted, oldest first. Under protect-unexpired, an unexpired
@@ -297,12 +310,6 @@ class HostRoom:
     def _drop(self, e: Entry) -> None:
         self.life.evict(e, keep_slot=False)
         self._forget(e)
-
-    async def _submit_spill(self, e: Entry, now: float) -> None:
-        # retained spills are never shed: they wait for room in the queue like under "wait"
-        if not await self.writes.submit(e, sheddable=not e.retained(now)):
-            self.stats.bump(e.namespace, "drops_pressure")
-            self._abandon_spill(e)
 
     def _clean_room(self, size: int, want: int, now: float) -> None:
         """Evict the oldest host blocks that have a disk copy (their slots go back at once, nothing

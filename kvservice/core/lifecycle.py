@@ -391,10 +391,8 @@ class Lifecycle:
         host = self.host
         host.lru_discard_many(entries)
         spilling, unstaged = host.spilling, host.unstaged
-        leave, holds = host.counts.leave, self.index.holds
         room = host.staging_bytes - host.staged_bytes
-        staged = 0
-        by_ns: dict[NamespaceId, list[int]] = {}
+        stage: list[Entry] = []
         for e in entries:
             e.spilling = True
             spilling[id(e)] = e
@@ -403,6 +401,19 @@ class Lifecycle:
                 unstaged[id(e)] = e
                 continue
             room -= size
+            stage.append(e)
+        self._stage(stage)
+
+    def _stage(self, entries: Sequence[Entry]) -> None:
+        """Spilling blocks, not staged yet, move to the spill staging budget (off the tier's capacity),
+        in passes: the host tier's members that leave it, the namespaces' figures summed. The caller
+        checked the budget has room for them."""
+        host = self.host
+        leave, holds = host.counts.leave, self.index.holds
+        staged = 0
+        by_ns: dict[NamespaceId, list[int]] = {}
+        for e in entries:
+            size = e.size
             staged += size
             if in_host_tier(e):
                 leave(e)
@@ -503,20 +514,26 @@ class Lifecycle:
     def _promote(self) -> None:
         """Spills still on the tier's capacity move to the staging budget as it frees up, oldest
         first: the Stores waiting for their room go on without waiting for their writes. Only the
-        unstaged ones are looked at (a walk of every spill per released slot cost 40 us a call)."""
+        unstaged ones are looked at (a walk of every spill per released slot cost 40 us a call),
+        and the ones that fit move as one batch (_stage; one state walk each was ~1/6 of the
+        loop's cost of a spilled 64 KiB block)."""
         host = self.host
         unstaged = host.unstaged
-        while unstaged:
-            k, e = next(iter(unstaged.items()))
-            if host.staged_bytes + e.size > host.staging_bytes:
-                return
-            del unstaged[k]
-            was = self._where(e)
-            e.staged = True
-            host.staged_bytes += e.size
-            host.used_bytes -= e.size
-            self._moved(e, was)
-            host.wake(e)
+        room = host.staging_bytes - host.staged_bytes
+        moved: list[Entry] = []
+        for e in unstaged.values():
+            if e.size > room:
+                break
+            room -= e.size
+            moved.append(e)
+        if not moved:
+            return
+        for e in moved:
+            del unstaged[id(e)]
+        self._stage(moved)
+        if host.waiters:
+            for e in moved:
+                host.wake(e)
 
     def forget(self, e: Entry) -> None:
         """-> (absent): neither copy is left (or an admin evict / a discard)."""

@@ -51,7 +51,8 @@ class HostTier:
         # those of them still on the tier's capacity (not staged), oldest first; an OrderedDict: the
         # oldest is taken from the front, O(1) (a dict's front would be a run of deleted slots)
         self.unstaged: OrderedDict[int, Entry] = OrderedDict()
-        self.waiters: dict[int, asyncio.Future[None]] = {}  # id(entry) -> resolved when its slot is off the tier
+        # id(entry) -> the freed() calls waiting for its slot to be off the tier (each counts it down once)
+        self.waiters: dict[int, list[_Countdown]] = {}
         self.counts = TierCounts()  # pinned and retained members, for Stats (kept by kvservice.core.lifecycle)
 
     @property
@@ -113,23 +114,30 @@ class HostTier:
         self._lru.touch_present(chain)
 
     def wake(self, entry: Entry) -> None:
-        w = self.waiters.pop(id(entry), None)
-        if w is not None and not w.done():
-            w.set_result(None)
+        ws = self.waiters.pop(id(entry), None)
+        if ws is not None:
+            for w in ws:
+                w.left -= 1
+                if not w.left and not w.done.done():
+                    w.done.set_result(None)
 
     def freed(self, entries: Sequence[Entry], staged_too: bool = False) -> asyncio.Future | None:
         """Resolves once every one of entries that still holds tier capacity (not staged; with
         staged_too, every one that still holds an arena slot) has given its slot back (spill written
-        or abandoned)."""
-        loop = asyncio.get_running_loop()
-        waits = []
-        for e in entries:
-            if e.slot >= 0 and (staged_too or not e.staged):
-                w = self.waiters.get(id(e))
-                if w is None:
-                    w = self.waiters[id(e)] = loop.create_future()
-                waits.append(w)
-        return asyncio.gather(*waits) if waits else None
+        or abandoned), or moved to the staging budget (wake). One future and one countdown for the
+        call (a future per entry and their gather cost ~2 us of the loop a spilled block)."""
+        need = [e for e in entries if e.slot >= 0 and (staged_too or not e.staged)]
+        if not need:
+            return None
+        w = _Countdown(len(need), asyncio.get_running_loop().create_future())
+        waiters = self.waiters
+        for e in need:
+            ws = waiters.get(id(e))
+            if ws is None:
+                waiters[id(e)] = [w]
+            else:
+                ws.append(w)
+        return w.done
 
     def row(self, entry: Entry) -> torch.Tensor:
         return self.arena.row(entry.slot, entry.size)
@@ -137,3 +145,13 @@ class HostTier:
     def rows(self, entries: Sequence[Entry]) -> list[torch.Tensor]:
         base = self.arena.base
         return [base[e.slot:e.slot + e.size] for e in entries]
+
+
+class _Countdown:
+    """One freed() call: its future resolves when `left` (its entries not woken yet) reaches 0."""
+
+    __slots__ = ("left", "done")
+
+    def __init__(self, left: int, done: asyncio.Future[None]) -> None:
+        self.left = left
+        self.done = done
