@@ -11,19 +11,26 @@ from kvservice.disk.write_queue import WriteQueue
 LIMIT = 5.0  # seconds: a wake-up that never comes fails the test instead of hanging it
 
 
+def _held_queue(depth: int, policy: str = "wait") -> tuple[WriteQueue, asyncio.Event, list]:
+    """A started queue of one writer whose writes all wait for `release`; `written` lists the jobs
+    written, in order."""
+    release = asyncio.Event()
+    written: list = []
+
+    async def handler(job) -> None:
+        await release.wait()
+        written.append(job)
+
+    q: WriteQueue = WriteQueue(depth=depth, writers=1, policy=policy, handler=handler)
+    return q, release, written
+
+
 async def test_a_batch_is_queued_as_far_as_there_is_room_and_the_rest_after_backpressure() -> None:
     """Scenario: depth 4, one writer stuck on its first write. try_submit_many of 10 jobs queues the
     first 4 and says so; once the writer took one, the next call queues exactly one more; a producer
     then waits in room() for each free place and the queue never holds more than its depth; every
     job is written once, in order."""
-    release = asyncio.Event()
-    written: list[int] = []
-
-    async def handler(job: int) -> None:
-        await release.wait()
-        written.append(job)
-
-    q: WriteQueue[int] = WriteQueue(depth=4, writers=1, policy="wait", handler=handler)
+    q, release, written = _held_queue(4)
     jobs = list(range(10))
     assert q.try_submit_many(jobs) == 4  # the writer has not run yet: the queue is full
     q.start()
@@ -48,14 +55,7 @@ async def test_a_cancelled_producer_does_not_keep_the_room_from_the_next_one() -
     """Scenario: depth 1, the writer stuck; two producers wait in room(), the first is cancelled.
     When the writer takes the queued job, the second producer is woken and submits; drain then
     returns with both jobs written."""
-    release = asyncio.Event()
-    written: list[str] = []
-
-    async def handler(job: str) -> None:
-        await release.wait()
-        written.append(job)
-
-    q: WriteQueue[str] = WriteQueue(depth=1, writers=1, policy="wait", handler=handler)
+    q, release, written = _held_queue(1)
     q.start()
     try:
         assert q.try_submit("first")
@@ -79,14 +79,7 @@ async def test_a_cancelled_producer_does_not_keep_the_room_from_the_next_one() -
 async def test_submit_sheds_only_sheddable_jobs_when_full_and_waits_otherwise() -> None:
     """Scenario: "shed" policy, depth 1, the writer stuck. A sheddable job that finds the queue full is
     refused at once (False, not queued); a job that may not be shed waits for room and is written."""
-    release = asyncio.Event()
-    written: list[str] = []
-
-    async def handler(job: str) -> None:
-        await release.wait()
-        written.append(job)
-
-    q: WriteQueue[str] = WriteQueue(depth=1, writers=1, policy="shed", handler=handler)
+    q, release, written = _held_queue(1, "shed")
     q.start()
     try:
         assert await q.submit("a", sheddable=True)
