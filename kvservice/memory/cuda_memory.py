@@ -65,7 +65,8 @@ log = logging.getLogger(__name__)
 
 # pipeline granularity: copy chunk k+1 while checksumming / scattering chunk k (KVTUNE_COPY_CHUNK_MIB: an A/B)
 CHUNK_BYTES = max(1, int(os.environ.get("KVTUNE_COPY_CHUNK_MIB", "32"))) << 20
-STAGING_SLOTS = 4  # device staging chunks per lane, reused in turn: the DMA engine always has the next ones queued
+# device staging chunks per lane, reused in turn: the DMA engine always has the next ones queued (KVTUNE_STAGING_SLOTS: an A/B)
+STAGING_SLOTS = max(2, int(os.environ.get("KVTUNE_STAGING_SLOTS", "4")))
 MAX_RUN_COPIES = 16  # per chunk; more runs than this go through one cudaMemcpyBatchAsync
 CRC_THREADS = max(1, min(16, (os.cpu_count() or 2) - 2))  # ~6 GB/s each: the store's CRC must keep up with DMA
 _ELEMENT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
