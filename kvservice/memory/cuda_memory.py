@@ -612,15 +612,28 @@ class CudaEngineMemory:
         in the caching allocator: the first Store of a fresh daemon must not pay for them. Reads
         block 0 of the pool; writes only scratch memory."""
         dev = self._dev.device
+        bb = self.block_bytes
+        per = chunk_rows(1 << 20, bb)[0]  # the rows of a full chunk; smaller pieces are powers of two below it
         with self._dev.lane() as lane, torch.cuda.stream(lane.kernels):
-            idx = torch.zeros(1, dtype=torch.long, device=dev)
-            staging = lane.staging(chunk_rows(1 << 20, self.block_bytes)[0] * self.block_bytes)
-            rows = self._gather_dev(idx, out=staging[0, :self.block_bytes].view(self._dtype).view(1, self._row))
-            if crc is not None:
-                crc.rows(rows, self.block_bytes, torch.empty(1, dtype=torch.int32, device=dev), lane.kernels)
+            staging = lane.staging(per * bb)
+            # every piece size a copy launches (1, 2, 4, ... per rows, all of block 0): the index kernels pick
+            # their variant by the number of rows (the 2 MiB session's pieces of 16 rows did not load the one a
+            # 256 KiB session's pieces of 128 need, which its first Store paid: ~29 ms on the H100)
+            k, sizes = 1, []
+            while k <= per:
+                sizes.append(k)
+                k *= 2
+            crc_out = torch.empty(per, dtype=torch.int32, device=dev) if crc is not None else None
+            for k in sizes:
+                idx = torch.zeros(k, dtype=torch.long, device=dev)
+                rows = self._gather_dev(idx, out=staging[0, :k * bb].view(self._dtype).view(k, self._row))
+                if crc is not None:
+                    crc.rows(rows, bb, crc_out[:k], lane.kernels)
+            rows = staging[0, :bb].view(self._dtype).view(1, self._row)
             host = torch.empty((1, self._row), dtype=self._dtype, pin_memory=True)
             host.copy_(rows, non_blocking=True)
             rows.copy_(host, non_blocking=True)
+            self._warm_batch_copy(host, rows, lane.kernels)
             real = (self._view3, self._views) if self._uniform else (None, self._views)
             try:  # the scatter kernels, on scratch rows shaped like the pool's views
                 if self._uniform:
@@ -628,12 +641,29 @@ class CudaEngineMemory:
                                               device=dev)
                 else:
                     self._views = [torch.empty((1, v.shape[1]), dtype=self._dtype, device=dev) for v in self._views]
-                self._scatter_dev(idx, rows)
+                for k in sizes:  # k rows into the one scratch row (duplicate indices: any of them lands)
+                    self._scatter_dev(torch.zeros(k, dtype=torch.long, device=dev),
+                                      staging[0, :k * bb].view(self._dtype).view(k, self._row))
             finally:
                 if self._uniform:
                     self._view3 = real[0]
                 self._views = real[1]
             lane.synchronize()
+
+    def _warm_batch_copy(self, host: torch.Tensor, rows: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        """One cudaMemcpyBatchAsync (what a chunk of many runs of slots copies with), device row ->
+        pinned host row, so its first use by a Store is not also its first call. Where the runtime has
+        none (or refuses it), the copies go one per run from now on, as at a first failing use."""
+        global _batch_copy_ok
+        if not _batch_copy_ok:
+            return
+        try:
+            if not _rt().memcpy_batch([host.data_ptr()], [rows.data_ptr()], [self.block_bytes], stream.cuda_stream):
+                _batch_copy_ok = False
+        except Exception as e:
+            log.warning("cudaMemcpyBatchAsync failed (%s); using one copy per run from now on", e)
+            _batch_copy_ok = False
+        stream.synchronize()
 
     # --- device-side gather/scatter of one chunk (on the current stream)
     def _gather_dev(self, idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
