@@ -299,7 +299,7 @@ from kvservice.memory.host_arena import HostArena
 from kvwire.v1 import kvcache_pb2
 from engine_client.shm_pool import _regions
 
-cuda_memory.CHUNK_BYTES = 1 << 20  # 64 rows a chunk: 16 chunks go round the staging slots four times
+cuda_memory.CHUNK_BYTES = 1 << 20  # 64 rows a chunk: 16 chunks go round the staging slots many times
 desc = kvcache_pb2.PoolDescription.FromString(bytes.fromhex(sys.stdin.readline().strip()))
 bb, n = 16 << 10, 1000
 nb = desc.cuda.size // bb

@@ -63,10 +63,15 @@ from kvservice.ops.trace import TRACE
 
 log = logging.getLogger(__name__)
 
-# pipeline granularity: copy chunk k+1 while checksumming / scattering chunk k (KVTUNE_COPY_CHUNK_MIB: an A/B)
-CHUNK_BYTES = max(1, int(os.environ.get("KVTUNE_COPY_CHUNK_MIB", "32"))) << 20
-# device staging chunks per lane, reused in turn: the DMA engine always has the next ones queued (KVTUNE_STAGING_SLOTS: an A/B)
-STAGING_SLOTS = max(2, int(os.environ.get("KVTUNE_STAGING_SLOTS", "4")))
+# pipeline granularity: copy chunk k+1 while checksumming / scattering chunk k (KVTUNE_COPY_CHUNK_MIB: an A/B).
+# Each chunk costs the copy thread a fixed set of launches (gather or scatter, CRC, DMA, events) that holds
+# the GIL against the event loop; at small blocks a 32 MiB chunk was that cost every 512 rows of 64 KiB.
+# 32 -> 128 MiB with 2 staging slots a lane (4 x 32 -> 2 x 128: 256 MiB of device staging a lane, was 128),
+# H100, 2 GiB batches, three calls: Loads of 256 KiB blocks 0.74-0.88 -> 0.83-0.89 x H2D and of 64 KiB
+# 0.47-0.58 -> 0.55-0.71; 256 KiB Stores 0.62-0.75 -> 0.65-0.73; 2 MiB unchanged (BENCHMARKS.md).
+CHUNK_BYTES = max(1, int(os.environ.get("KVTUNE_COPY_CHUNK_MIB", "128"))) << 20
+# device staging chunks per lane, reused in turn while the DMA engine drains the one before (KVTUNE_STAGING_SLOTS)
+STAGING_SLOTS = max(2, int(os.environ.get("KVTUNE_STAGING_SLOTS", "2")))
 MAX_RUN_COPIES = 16  # per chunk; more runs than this go through one cudaMemcpyBatchAsync
 CRC_THREADS = max(1, min(16, (os.cpu_count() or 2) - 2))  # ~6 GB/s each: the store's CRC must keep up with DMA
 _ELEMENT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
