@@ -41,11 +41,13 @@ say "$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/n
 BW=(python3 bench/gpu_bandwidth.py --layouts layer-first --reps 3 --skip datapath,disk --sizes 2048,256,64)
 phase() {  # phase NAME LIMIT CMD...: run, keep its output, append its table lines to the summary
   local name=$1 limit=$2; shift 2
+  N=$(( ${N:-0} + 1 ))  # the log's name starts with the phase's place: a phase given twice keeps both logs
+  local log="$D/$N-${name//[:=+]/_}.log"
   say ""; say "## $name (+$(( $(date +%s) - T0 )) s)"
-  timeout "$limit" "$@" > "$D/$name.log" 2>&1
+  timeout "$limit" "$@" > "$log" 2>&1
   local rc=$?
-  grep -E '^\||^pinned|^  host|passed|failed|skipped|error|MISSED|held|^raw limits' "$D/$name.log" | grep -v '^{' >> "$S"
-  [[ $rc != 0 ]] && tail -n 3 "$D/$name.log" >> "$S"
+  grep -E '^\||^pinned|^  host|passed|failed|skipped|error|MISSED|held|^raw limits' "$log" | grep -v '^{' >> "$S"
+  [[ $rc != 0 ]] && tail -n 3 "$log" >> "$S"
   say "(rc $rc, +$(( $(date +%s) - T0 )) s)"
 }
 for p in ${PHASES//,/ }; do
