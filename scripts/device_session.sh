@@ -7,7 +7,7 @@
 # Phases (seconds of wall time each, at most):
 #   tests      every GPU-marked test of the suite (modules the GPU image cannot import are reported, not fatal)  300
 #   bw         bench/gpu_bandwidth.py host part, 2 and 4 GiB batches, 2 MiB / 256 KiB / 64 KiB blocks        150
-#   loadab     the same at 2 GiB with KVTUNE_LOAD_ENQUEUE_FIRST=1 (Loads in parts: copies queued first)     75
+#   loadab     the same at 2 GiB with KVTUNE_LOAD_ENQUEUE_FIRST=1 (no gain on the H100, 2026-12-07)          75
 #   bwgrpc     the same at 2 GiB with KVBENCH_GRPC_ONLY=1 (Store and Load over gRPC, not the frames channel) 75
 #   trace      the 2 GiB rows with the daemon's call timelines (KVTUNE_TRACE; bench/trace_timeline.py)     110
 #   firstab    the 2 GiB rows with a Store's first part of 1024 blocks (KVTUNE_STORE_FIRST_BLOCKS; 256)    75
@@ -18,7 +18,7 @@
 #   e2e        scripts/device_e2e.sh diskboth (issue 14's disk line on this tree)                            300
 #   ab:V=X[+W=Y]  the 2 GiB rows of 256 KiB and 64 KiB blocks with KVTUNE_* knobs set (an A/B beside bw)      75
 #   abx:V=X[+W=Y] the same with the 2 MiB row too ("abx:" alone: the defaults, the A/B's baseline in the call)  90
-# Run the phases that fit one call's 600 s (default: tests,bw,loadab,lookup ~ 9 min at most; on the H200 host
+# Run the phases that fit one call's 600 s (default: tests,bw,disk64 ~ 8 min at most; on the H200 host
 # the tests phase alone took 210 s).
 # Run it from a snapshot of a commit so the live working tree's edits do not travel:
 #   rm -rf .lead/tree && mkdir -p .lead/tree && git archive HEAD | tar -x -C .lead/tree
@@ -29,7 +29,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvservice-device-out}
 D=$OUT/details
 mkdir -p "$D"
-PHASES=${1:-tests,bw,loadab,lookup}
+PHASES=${1:-tests,bw,disk64}
 source scripts/device_env.sh
 export PATH=/tmp/site/bin:$PATH NCCL_NVLS_ENABLE=0
 S=$OUT/summary.md
