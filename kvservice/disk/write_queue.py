@@ -78,8 +78,7 @@ class WriteQueue(Generic[J]):
     async def submit(self, job: J, sheddable: bool) -> bool:
         if self._room() <= 0 and self.policy == "shed" and sheddable:
             return False
-        while self._room() <= 0:
-            await self.room()
+        await self.room()
         self.try_submit_many((job,))
         return True
 
@@ -109,9 +108,7 @@ class WriteQueue(Generic[J]):
 
     async def drain(self) -> None:
         while self._unfinished:
-            fut = asyncio.get_running_loop().create_future()
-            self._drained.append(fut)
-            await fut
+            await _wait(self._drained)
 
     async def stop(self) -> None:
         for t in self._tasks:
