@@ -25,6 +25,12 @@ PIPELINE_BLOCKS = max(1, int(os.environ.get("KVTUNE_STORE_PART_BLOCKS", "2048"))
 # an A/B; on the H100 the first three parts of a 256 KiB Store took longer to plan and launch than to copy)
 PIPELINE_FIRST = max(1, int(os.environ.get("KVTUNE_STORE_FIRST_BLOCKS", "256")))
 PIPELINE_DEPTH = max(1, int(os.environ.get("KVTUNE_COPY_DEPTH", "2")))  # an A/B, as the part size
+# KVTUNE_STORE_FIRST_MIB=M (an A/B; 0, the default: off): a Store of more than M MiB goes in parts
+# whatever its block count, the first part M MiB of blocks (at least one), each later part
+# KVTUNE_STORE_GROW times the one before (default 2) up to PIPELINE_BLOCKS: the first copy starts
+# after the plan of M MiB, not of the whole batch (a 2 GiB Store of 2 MiB blocks is one part today).
+STORE_FIRST_BYTES = max(0, int(float(os.environ.get("KVTUNE_STORE_FIRST_MIB", "0")) * (1 << 20)))
+STORE_GROW = max(2, int(os.environ.get("KVTUNE_STORE_GROW", "2")))
 # ENQUEUE_FIRST (KVTUNE_COPY_ENQUEUE_FIRST=0 turns it off for an A/B): a Store plans its next part
 # only once the copy thread has queued the part just handed to it on the device (a copy memory that
 # signals it: SIGNALS_ENQUEUED). The loop's long GIL holds would slow that thread's launches (each
@@ -47,18 +53,24 @@ def when_copy_ends(fut: asyncio.Future, fn: Callable[[], object]) -> None:
         fut.add_done_callback(lambda f: (f.cancelled() or f.exception(), fn()))
 
 
-def parts(n: int) -> list[tuple[int, int]]:
+def parts(n: int, block_bytes: int = 0) -> list[tuple[int, int]]:
     """The (lo, hi) parts a Store chunk or a Load of n blocks is planned and copied in: one part up
     to 2 x PIPELINE_BLOCKS; else min(PIPELINE_FIRST, PIPELINE_BLOCKS) blocks first, each part
-    twice the one before up to PIPELINE_BLOCKS."""
-    if n <= 2 * PIPELINE_BLOCKS:
+    twice the one before up to PIPELINE_BLOCKS. block_bytes (a Store's) with STORE_FIRST_BYTES set:
+    see that knob."""
+    grow = 2
+    if block_bytes and STORE_FIRST_BYTES and n * block_bytes > STORE_FIRST_BYTES:
+        first, grow = max(1, STORE_FIRST_BYTES // block_bytes), STORE_GROW
+    elif n <= 2 * PIPELINE_BLOCKS:
         return [(0, n)]
+    else:
+        first = PIPELINE_FIRST
     out: list[tuple[int, int]] = []
-    size, lo = min(PIPELINE_FIRST, PIPELINE_BLOCKS), 0
+    size, lo = min(first, PIPELINE_BLOCKS), 0
     while lo < n:
         hi = min(n, lo + size)
         out.append((lo, hi))
-        lo, size = hi, min(2 * size, PIPELINE_BLOCKS)
+        lo, size = hi, min(grow * size, PIPELINE_BLOCKS)
     return out
 
 

@@ -191,7 +191,7 @@ class StorePath:
         placed_n = 0  # entries[:placed_n] have slots and a copy started
         loop = asyncio.get_running_loop()
         try:
-            for lo, hi in pipeline.parts(n):
+            for lo, hi in pipeline.parts(n, s.block_bytes):
                 want = hi - lo
                 fit, offsets = await self._host_room(s.block_bytes, want, now)
                 TRACE.mark(call, "room")
