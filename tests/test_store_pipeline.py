@@ -97,6 +97,41 @@ async def test_a_store_in_parts_is_byte_exact_and_one_chain(tmp_path, parts_of):
             assert cache.audit() == []
 
 
+def test_parts_by_bytes_start_small_and_grow_to_the_part_size(monkeypatch):
+    monkeypatch.setattr(pipeline_mod, "PIPELINE_BLOCKS", 2048)
+    monkeypatch.setattr(pipeline_mod, "PIPELINE_FIRST", 256)
+    mib = 1 << 20
+    sizes = lambda n, bb, first, grow: [hi - lo for lo, hi in pipeline_mod.parts(n, bb, first, grow)]  # noqa: E731
+    # 2 GiB of 2 MiB blocks (one part by count): 256 MiB first, then 8 x that
+    assert sizes(1024, 2 * mib, 256 * mib, 8) == [128, 896]
+    assert sizes(8192, 256 << 10, 256 * mib, 8) == [1024, 2048, 2048, 2048, 1024]
+    assert sizes(32768, 64 << 10, 256 * mib, 8) == [2048] * 16  # the first part is at most PIPELINE_BLOCKS
+    assert sizes(100, 2 * mib, 256 * mib, 8) == [100]  # 200 MiB: one part
+    assert sizes(1024, 2 * mib, 0, 8) == [1024]  # off: by count
+    assert sizes(8192, 4096, 0, 8) == [256, 512, 1024, 2048, 2048, 2048, 256]  # by count, doubling
+    for n, bb, first in ((1000, 3 * mib, 7 * mib), (5000, 64 << 10, mib), (3, 4 * mib, mib)):
+        ps = pipeline_mod.parts(n, bb, first, 8)
+        assert ps[0][0] == 0 and ps[-1][1] == n and all(a[1] == b[0] for a, b in zip(ps, ps[1:]))
+        assert pipeline_mod.in_parts(n, bb, first) == (len(ps) > 1)
+
+
+async def test_a_store_in_byte_sized_parts_is_byte_exact_and_one_chain(tmp_path, parts_of, monkeypatch):
+    planned = parts_of(4)
+    monkeypatch.setattr(pipeline_mod, "STORE_FIRST_BYTES", 2 * BLOCK)
+    monkeypatch.setattr(pipeline_mod, "STORE_GROW", 2)
+    cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=16 * BLOCK)
+    async with started_cache(cfg) as cache:
+        async with engine_on(cache, 32) as eng:
+            rs = await eng.store(list(range(10)))  # 10 blocks: by count one part; by bytes 2, 4, 4
+            assert [r.status for r in rs] == [StoreStatus.STORED] * 10
+            assert planned == [2, 4, 4]
+            order = [e.key.hash for e in cache.tiers.host.entries_oldest_first()]
+            assert order == [h(i) for i in reversed(range(10))]  # head newest, as one chain
+            rs = await eng.load(list(range(10)))  # checks the bytes of every LOADED block
+            assert [r.status for r in rs] == [LoadStatus.LOADED] * 10
+            assert cache.audit() == []
+
+
 async def test_a_store_cancelled_in_its_second_part_rolls_back_every_part(tmp_path, parts_of, gated_gather):  # noqa: F811
     parts_of(2, depth=2)
     cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=16 * BLOCK)

@@ -48,7 +48,7 @@ class LoadPath:
         call = TRACE.begin("load", len(hs))
         results = LoadResults(len(hs))
         done, head = 0, []
-        if len(hs) > 2 * pipeline.PIPELINE_BLOCKS:
+        if pipeline.in_parts(len(hs), s.block_bytes, pipeline.LOAD_FIRST_BYTES):
             done, head = await self._load_host_parts(s, hs, ids, call)
             if done:
                 self._answer_loaded(results, done)
@@ -147,7 +147,7 @@ class LoadPath:
         served = 0  # hs[:served] are pinned and handed to copies
         chain: list[Entry] = []
         try:
-            for lo, hi in pipeline.parts(n):
+            for lo, hi in pipeline.parts(n, s.block_bytes, pipeline.LOAD_FIRST_BYTES, pipeline.LOAD_GROW):
                 found = list(map(get, hs[lo:hi]))
                 slots = _host_slots(found)
                 if slots is None:  # a miss, a block not ready or only on disk: the rest goes the general way

@@ -1,7 +1,8 @@
 """How a large Store or Load is cut into parts that are planned and copied in turn (parts), and
 the rules every call that hands work to a copy thread keeps:
-  parts(n) -> [(lo, hi)]          the parts of a batch of n blocks (module constants below; tests
+  parts(n, ...) -> [(lo, hi)]     the parts of a batch of n blocks (module constants below; tests
                                   set them small to drive the parts path with a few blocks)
+  in_parts(n, ...)                whether that is more than one part
   when_copy_ends(fut, fn)         fn once an abandoned copy's thread is done with its memory
   fail_unanswered(results, code)  a block left without a status is reported failed, never success
 """
@@ -25,12 +26,19 @@ PIPELINE_BLOCKS = max(1, int(os.environ.get("KVTUNE_STORE_PART_BLOCKS", "2048"))
 # an A/B; on the H100 the first three parts of a 256 KiB Store took longer to plan and launch than to copy)
 PIPELINE_FIRST = max(1, int(os.environ.get("KVTUNE_STORE_FIRST_BLOCKS", "256")))
 PIPELINE_DEPTH = max(1, int(os.environ.get("KVTUNE_COPY_DEPTH", "2")))  # an A/B, as the part size
-# KVTUNE_STORE_FIRST_MIB=M (an A/B; 0, the default: off): a Store of more than M MiB goes in parts
-# whatever its block count, the first part M MiB of blocks (at least one), each later part
-# KVTUNE_STORE_GROW times the one before (default 2) up to PIPELINE_BLOCKS: the first copy starts
-# after the plan of M MiB, not of the whole batch (a 2 GiB Store of 2 MiB blocks is one part today).
-STORE_FIRST_BYTES = max(0, int(float(os.environ.get("KVTUNE_STORE_FIRST_MIB", "0")) * (1 << 20)))
-STORE_GROW = max(2, int(os.environ.get("KVTUNE_STORE_GROW", "2")))
+# A Store of more than STORE_FIRST_BYTES goes in parts whatever its block count: the first part that
+# many bytes of blocks (at least one; at most PIPELINE_BLOCKS), each later part STORE_GROW times the
+# one before, up to PIPELINE_BLOCKS. The first copy starts after the plan of 256 MiB, not of the whole
+# batch; the next part's plan (up to 8 x as many blocks) runs beside that copy. H100, 2 GiB Stores,
+# 64-region layout, A/B in one call: 2 MiB blocks 0.87 -> 0.91 x D2H (one part of 1024 blocks
+# before), 256 KiB 0.67-0.70 -> 0.78 (parts of 256, 512, 1024, ... before); 128 MiB or 512 MiB first
+# parts, or parts of 4096, did worse (BENCHMARKS.md). KVTUNE_STORE_FIRST_MIB / KVTUNE_STORE_GROW: A/Bs
+# (0: off, the count rule below only). KVTUNE_LOAD_FIRST_MIB / KVTUNE_LOAD_GROW: the same for a Load
+# (off by default: not measured yet).
+STORE_FIRST_BYTES = max(0, int(float(os.environ.get("KVTUNE_STORE_FIRST_MIB", "256")) * (1 << 20)))
+STORE_GROW = max(2, int(os.environ.get("KVTUNE_STORE_GROW", "8")))
+LOAD_FIRST_BYTES = max(0, int(float(os.environ.get("KVTUNE_LOAD_FIRST_MIB", "0")) * (1 << 20)))
+LOAD_GROW = max(2, int(os.environ.get("KVTUNE_LOAD_GROW", "8")))
 # ENQUEUE_FIRST (KVTUNE_COPY_ENQUEUE_FIRST=0 turns it off for an A/B): a Store plans its next part
 # only once the copy thread has queued the part just handed to it on the device (a copy memory that
 # signals it: SIGNALS_ENQUEUED). The loop's long GIL holds would slow that thread's launches (each
@@ -53,18 +61,23 @@ def when_copy_ends(fut: asyncio.Future, fn: Callable[[], object]) -> None:
         fut.add_done_callback(lambda f: (f.cancelled() or f.exception(), fn()))
 
 
-def parts(n: int, block_bytes: int = 0) -> list[tuple[int, int]]:
-    """The (lo, hi) parts a Store chunk or a Load of n blocks is planned and copied in: one part up
-    to 2 x PIPELINE_BLOCKS; else min(PIPELINE_FIRST, PIPELINE_BLOCKS) blocks first, each part
-    twice the one before up to PIPELINE_BLOCKS. block_bytes (a Store's) with STORE_FIRST_BYTES set:
-    see that knob."""
-    grow = 2
-    if block_bytes and STORE_FIRST_BYTES and n * block_bytes > STORE_FIRST_BYTES:
-        first, grow = max(1, STORE_FIRST_BYTES // block_bytes), STORE_GROW
+def in_parts(n: int, block_bytes: int = 0, first_bytes: int = 0) -> bool:
+    """A batch of n blocks goes in more than one part (parts() with the same arguments)."""
+    return n > 2 * PIPELINE_BLOCKS or bool(block_bytes and first_bytes and n * block_bytes > first_bytes)
+
+
+def parts(n: int, block_bytes: int = 0, first_bytes: int = 0, grow: int = 2) -> list[tuple[int, int]]:
+    """The (lo, hi) parts a Store chunk or a Load of n blocks is planned and copied in. By bytes
+    (block_bytes and first_bytes given, the batch larger than first_bytes): first_bytes of blocks
+    first, each part `grow` times the one before, up to PIPELINE_BLOCKS. Otherwise by count: one part
+    up to 2 x PIPELINE_BLOCKS; else min(PIPELINE_FIRST, PIPELINE_BLOCKS) blocks first, each part
+    twice the one before up to PIPELINE_BLOCKS."""
+    if block_bytes and first_bytes and n * block_bytes > first_bytes:
+        first = max(1, first_bytes // block_bytes)
     elif n <= 2 * PIPELINE_BLOCKS:
         return [(0, n)]
     else:
-        first = PIPELINE_FIRST
+        first, grow = PIPELINE_FIRST, 2
     out: list[tuple[int, int]] = []
     size, lo = min(first, PIPELINE_BLOCKS), 0
     while lo < n:

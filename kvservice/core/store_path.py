@@ -176,10 +176,11 @@ class StorePath:
         reserved entries (Lifecycle.build) and place the slots on them, copy
         the engine's blocks straight into them, commit. Cancelled or failed before the commit, the
         reservations are rolled back; their slots go once the copy thread is done with them.
-        A chunk of more than 2 x pipeline.PIPELINE_BLOCKS is planned and copied in parts (_parts: growing
-        from pipeline.PIPELINE_FIRST to pipeline.PIPELINE_BLOCKS), the plan of a part beside the copy of the one
-        before (at most pipeline.PIPELINE_DEPTH copies in flight): the bookkeeping of a large Store runs
-        while the copy thread waits on the device, and the first copy starts after a short plan.
+        A chunk of more than pipeline.STORE_FIRST_BYTES (or 2 x pipeline.PIPELINE_BLOCKS blocks) is
+        planned and copied in parts (pipeline.parts: that many bytes first, growing to
+        pipeline.PIPELINE_BLOCKS), the plan of a part beside the copy of the one before (at most
+        pipeline.PIPELINE_DEPTH copies in flight): the bookkeeping of a large Store runs while the copy
+        thread waits on the device, and the first copy starts after a short plan.
         Its blocks are still committed together at the end, as one chain."""
         t = self._t
         life = t.life
@@ -191,7 +192,7 @@ class StorePath:
         placed_n = 0  # entries[:placed_n] have slots and a copy started
         loop = asyncio.get_running_loop()
         try:
-            for lo, hi in pipeline.parts(n, s.block_bytes):
+            for lo, hi in pipeline.parts(n, s.block_bytes, pipeline.STORE_FIRST_BYTES, pipeline.STORE_GROW):
                 want = hi - lo
                 fit, offsets = await self._host_room(s.block_bytes, want, now)
                 TRACE.mark(call, "room")
