@@ -34,13 +34,20 @@ from tests.test_store_cancellation import cancelled, gated_gather, restore_works
 _chunk_parts: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("chunk_parts", default=None)
 
 
-@pytest.fixture(params=[True, False], ids=["enqueue-first", "plan-beside-copies"])
+@pytest.fixture(params=[(True, False), (False, False), (True, True)],
+                ids=["enqueue-first", "plan-beside-copies", "head-first"])
 def parts_of(monkeypatch, request):
     """Set the part size; returns the sizes of the parts planned so far (one list for the test).
     `parts_of.per_chunk`: how many parts each chunk stored was planned in (per task: concurrent
     Stores do not mix their counts). Each test runs with pipeline.ENQUEUE_FIRST on (the default: the
-    next part planned once the copy just handed over is queued) and off."""
-    monkeypatch.setattr(pipeline_mod, "ENQUEUE_FIRST", request.param)
+    next part planned once the copy just handed over is queued) and off, and with parts by bytes
+    (pipeline.STORE_FIRST_BYTES of two blocks: a Store of more than two blocks reserves its first
+    part, starts its copy, then reserves the rest, StorePath._store_head_first; the parts are the
+    same as by count, as the first part is at most the part size)."""
+    enqueue_first, head_first = request.param
+    monkeypatch.setattr(pipeline_mod, "ENQUEUE_FIRST", enqueue_first)
+    monkeypatch.setattr(pipeline_mod, "STORE_FIRST_BYTES", 2 * BLOCK if head_first else 0)
+    monkeypatch.setattr(pipeline_mod, "STORE_GROW", 2)
     planned: list[int] = []
     per_chunk: list[int] = []
     real, real_chunk = cache_mod.BlockCache._host_room, cache_mod.BlockCache._store_chunk
@@ -245,3 +252,114 @@ async def test_a_hash_twice_in_a_store_in_parts_is_stored_once(tmp_path, parts_o
             assert [r.status for r in rs] == [StoreStatus.STORED] * 6 + [StoreStatus.ALREADY_STORED]
             assert [r.status for r in await eng.load(list(range(6)))] == [LoadStatus.LOADED] * 6
             assert cache.audit() == []
+
+
+@pytest.fixture
+def head_first(monkeypatch):
+    """Parts by bytes with a first part of two blocks (parts of 2): a Store of more than two blocks
+    reserves blocks 0-1, starts their copy, then reserves the rest (StorePath._store_head_first).
+    Returns the calls of that path and how many blocks each answered."""
+    import kvservice.core.store_path as store_path_mod
+    monkeypatch.setattr(pipeline_mod, "PIPELINE_BLOCKS", 2)
+    monkeypatch.setattr(pipeline_mod, "STORE_FIRST_BYTES", 2 * BLOCK)
+    monkeypatch.setattr(pipeline_mod, "STORE_GROW", 2)
+    monkeypatch.setattr(pipeline_mod, "ENQUEUE_FIRST", True)
+    taken: list[int] = []
+    real = store_path_mod.StorePath._store_head_first
+
+    async def spied(self, *args):
+        out = await real(self, *args)
+        taken.append(out[1])
+        return out
+    monkeypatch.setattr(store_path_mod.StorePath, "_store_head_first", spied)
+    return taken
+
+
+async def test_a_large_all_new_store_reserves_its_rest_beside_the_first_copy(tmp_path, head_first):
+    cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=16 * BLOCK)
+    async with started_cache(cfg) as cache:
+        async with engine_on(cache, 32) as eng:
+            rs = await eng.store(list(range(8)))
+            assert [r.status for r in rs] == [StoreStatus.STORED] * 8
+            assert head_first == [8], "the whole batch should go in the head-first pass"
+            order = [e.key.hash for e in cache.tiers.host.entries_oldest_first()]
+            assert order == [h(i) for i in reversed(range(8))]  # head newest, as one chain
+            assert [r.status for r in await eng.load(list(range(8)))] == [LoadStatus.LOADED] * 8
+            assert cache.audit() == []
+
+
+async def test_a_hit_in_the_rest_stores_the_rest_apart_with_the_chain_order_kept(tmp_path, head_first):
+    """Block 5 is stored; a Store of 0-7 (head 0-1): the rest holds a hit, so blocks 2-7 go as a
+    Store of their own once the head is in. Answers and LRU order are those of one Store."""
+    cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=16 * BLOCK)
+    async with started_cache(cfg) as cache:
+        async with engine_on(cache, 32) as eng:
+            assert [r.status for r in await eng.store([5])] == [StoreStatus.STORED]
+            rs = await eng.store(list(range(8)))
+            assert [r.status for r in rs] == [StoreStatus.STORED] * 5 + [StoreStatus.ALREADY_STORED] + \
+                [StoreStatus.STORED] * 2
+            assert head_first == [2]
+            order = [e.key.hash for e in cache.tiers.host.entries_oldest_first()]
+            assert order == [h(i) for i in (5, 7, 6, 4, 3, 2, 1, 0)]  # the hit first, then the chain head newest
+            assert [r.status for r in await eng.load(list(range(8)))] == [LoadStatus.LOADED] * 8
+            assert cache.audit() == []
+
+
+async def test_a_hit_in_the_head_goes_the_general_way_from_its_reservation(tmp_path, head_first):
+    cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=16 * BLOCK)
+    async with started_cache(cfg) as cache:
+        async with engine_on(cache, 32) as eng:
+            assert [r.status for r in await eng.store([1])] == [StoreStatus.STORED]
+            rs = await eng.store([0, 1, 2, 3, 4, 0])
+            assert [r.status for r in rs] == [StoreStatus.STORED, StoreStatus.ALREADY_STORED] + \
+                [StoreStatus.STORED] * 3 + [StoreStatus.ALREADY_STORED]
+            assert head_first == [0]
+            assert [r.status for r in await eng.load([0, 1, 2, 3, 4])] == [LoadStatus.LOADED] * 5
+            assert cache.audit() == []
+
+
+async def test_a_rest_hash_another_store_took_first_waits_for_it(tmp_path, head_first, gated_gather):  # noqa: F811
+    """Store A of 0-7 reserves its head and waits for its copy to be queued; meanwhile Store B
+    (another session) takes block 6. A's rest is then not all new: it goes apart, and its block 6
+    waits for B's outcome: ALREADY_STORED once B committed. Every block loads byte-exact."""
+    cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=16 * BLOCK)
+    async with started_cache(cfg) as cache:
+        async with engine_on(cache, 32) as a, engine_on(cache, 32) as b:
+            try:
+                gated_gather.open.clear()
+                ta = asyncio.ensure_future(a.store(list(range(8))))
+                tb = asyncio.ensure_future(b.store([6]))
+                await until(lambda: gated_gather.inside >= 2, "both copies")
+                assert cache.audit(idle=False) == []
+                gated_gather.open.set()
+                ra, rb = await ta, await tb
+                assert [r.status for r in rb] == [StoreStatus.STORED]
+                assert [r.status for r in ra] == [StoreStatus.STORED] * 6 + [StoreStatus.ALREADY_STORED] + \
+                    [StoreStatus.STORED]
+                assert head_first == [2]
+                assert [r.status for r in await a.load(list(range(8)))] == [LoadStatus.LOADED] * 8
+                assert cache.audit() == []
+            finally:
+                gated_gather.open.set()
+
+
+async def test_a_head_first_store_cancelled_before_its_rest_leaves_nothing(tmp_path, head_first, gated_gather):  # noqa: F811
+    """Cancelled while its first part copies (the rest reserved or not): no entry, mark, room or pin
+    is left once the copy thread is done, and the same blocks store again."""
+    cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=16 * BLOCK)
+    async with started_cache(cfg) as cache:
+        async with engine_on(cache, 32) as eng:
+            try:
+                gated_gather.open.clear()
+                task = asyncio.ensure_future(eng.store(list(range(8))))
+                await until(lambda: gated_gather.inside >= 1, "the first part's copy")
+                await cancelled(task)
+                assert not list(cache.tiers.index.values()), "the cancelled Store left entries or marks"
+                gated_gather.open.set()
+                await until(lambda: gated_gather.inside == 0, "the copy to end")
+                await asyncio.sleep(0.05)
+                assert cache.audit() == []
+                assert cache.tiers.host.used_bytes == 0
+                await restore_works(eng, list(range(8)))
+            finally:
+                gated_gather.open.set()

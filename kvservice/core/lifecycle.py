@@ -177,6 +177,23 @@ class Lifecycle:
         found = list(map(blocks.setdefault, hashes, repeat(r.mark)))
         return r, found, len(blocks) - before
 
+    def reserve_more(self, r: Reservation, hashes: Sequence[bytes]) -> tuple[list[Entry], int]:
+        """reserve_found's pass for more hashes of the same Store (the rest of a batch whose head is
+        copying already): each one not in the index maps to r's mark from now on. Returns (found,
+        added) as reserve_found does."""
+        blocks = r.blocks
+        before = len(blocks)
+        found = list(map(blocks.setdefault, hashes, repeat(r.mark)))
+        return found, len(blocks) - before
+
+    def unreserve(self, r: Reservation, hashes: Sequence[bytes]) -> None:
+        """Undo reserve_more for these hashes, with no await between the two: those that map to r's
+        mark leave the index (the others were another call's, or stored, and stay)."""
+        blocks, mark = r.blocks, r.mark
+        for h in hashes:
+            if blocks.get(h) is mark:
+                del blocks[h]
+
     def hold(self, r: Reservation) -> None:
         """r (from reserve_found, its hashes set) is this Store's: finish() ends it."""
         self._marks[id(r.mark)] = r

@@ -14,7 +14,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvservice.core import pipeline
 from kvservice.core.lifecycle import Reservation, is_mark
@@ -43,16 +43,103 @@ class StorePath:
         ids = self._block_ids(s, len(hs), block_ids)
         call = TRACE.begin("store", len(hs))
         self.namespaces.check_canary(s.namespace, s.canary)  # another session may have fixed it since
-        t = self._t
-        life = t.life
-        ttl = t.retention.clamp_ttl(ttl_seconds)
+        ttl = self._t.retention.clamp_ttl(ttl_seconds)
         now = self.clock.now()
         results = StoreResults(len(hs))
+        head = self._head_first(len(hs), s.block_bytes)
+        first: Entry | None = None
+        taken = 0  # hs[:taken] answered by the head-first path
+        pre = None
+        if head:
+            first, taken, pre = await self._store_head_first(s, hs, ids, head, ttl, now, results, call)
+        if taken < len(hs):
+            rest = results if not taken else StoreResults(len(hs) - taken)
+            e = await self._store_batch(s, hs[taken:] if taken else hs, ids[taken:] if taken else ids, ttl, now,
+                                        rest, call, pre)
+            if taken:
+                results.merge(rest, taken)
+                # the head, stored first, is the chain's newest again (its tail goes first, as in one Store)
+                blocks = self._t.index.namespace(s.namespace)
+                self._t.host.touch([e for e in map(blocks.get, hs[:taken]) if e is not None and e.ready])
+            first = first or e
+        if first is not None and first.ready and self.namespaces.fix_canary(s.namespace, s.canary):
+            log.info("namespace %s: hash canary fixed by session %s, its first store", s.namespace, s.label)
+        self._store_latency.observe(time.perf_counter() - t0)
+        pipeline.fail_unanswered(results, StoreStatus.FAILED)
+        TRACE.mark(call, "end")
+        return results
+
+    def _head_first(self, n: int, size: int) -> int:
+        """The head a Store of n blocks reserves and starts copying before it reserves the rest: the
+        first part by bytes (pipeline.parts), when the batch goes in parts and in one host chunk; 0: none
+        (the whole batch is reserved first)."""
+        if not pipeline.STORE_FIRST_BYTES or n * size <= pipeline.STORE_FIRST_BYTES:
+            return 0
+        host = self._t.host
+        if n > min(host.arena.max_slots(size), host.capacity_bytes // size):  # more than one chunk
+            return 0
+        return pipeline.parts(n, size, pipeline.STORE_FIRST_BYTES, pipeline.STORE_GROW)[0][1]
+
+    async def _store_head_first(self, s: Session, hs: list[bytes], ids: list[int], head: int, ttl: float,
+                                now: float, results: StoreResults, call: int
+                                ) -> tuple[Entry | None, int, tuple[Reservation, list[Entry], int] | None]:
+        """A large Store whose first part (hs[:head]) is all new: reserved, planned and copied before
+        the rest is reserved; the rest is reserved beside that copy (Lifecycle.reserve_more, no await
+        between it and its check) and stored in the same pass when it is all new too, as one chain.
+        When it is not (a hit, a hash twice, another Store's), the rest is left to the general path, as
+        a Store of its own once this one is over: returns (the first entry, blocks answered here, None).
+        A head that is not all new: nothing answered here (0), its reservation handed on (the third
+        item: reserve_found's answer) for the general path to go on from."""
+        t = self._t
+        life = t.life
+        ns, size = s.namespace, s.block_bytes
+        res, found, added = life.reserve_found(t.index.namespace(ns), ns, hs[:head], size, now)
+        if added != head:  # a hit or a hash twice in the head: the general path, from this reservation
+            return None, 0, (res, found, added)
+        del found
+        n = len(hs)
+        res.hashes = hs  # the rest's entries are built only once reserve_rest() took them
+        life.hold(res)
+        TRACE.mark(call, "reserved")
+        taken = n
+
+        def reserve_rest() -> bool:
+            nonlocal taken
+            _, more = life.reserve_more(res, hs[head:])
+            if more == n - head:
+                return True
+            life.unreserve(res, hs[head:])
+            res.hashes = hs[:head]
+            taken = head
+            return False
+        try:
+            await self._store_new(s, list(range(n)), res, ids, ttl, now, results, call, reserve_rest)
+            life.finish(res)
+        finally:
+            life.finish(res)
+        return (res.entries[0] if res.entries else None), taken, None
+
+    async def _store_batch(self, s: Session, hs: list[bytes], ids: list[int], ttl: float, now: float,
+                           results: StoreResults, call: int,
+                           pre: tuple[Reservation, list[Entry], int] | None = None) -> Entry | None:
+        """Store hs as one batch (the general path: hits, hashes twice, another Store's, new blocks):
+        reserve and look up all of it in one pass, then answer hits, store the new blocks, and answer
+        the hits that waited for another Store. pre: go on from the reservation of its head that
+        _store_head_first made (reserve_found's answer for hs[:len(found)]). Returns the first new
+        entry (None: none)."""
+        t = self._t
+        life = t.life
         ns, size = s.namespace, s.block_bytes
         blocks = t.index.namespace(ns)
         # one pass: the new hashes are held at once (a mark each; their entries are built part by
         # part), the others' entries found
-        res, found, added = life.reserve_found(blocks, ns, hs, size, now)
+        if pre is not None:
+            res, found, added = pre
+            more, added_more = life.reserve_more(res, hs[len(found):])
+            found += more
+            added += added_more
+        else:
+            res, found, added = life.reserve_found(blocks, ns, hs, size, now)
         mark = res.mark
         touched: list[tuple[int, Entry]] = []
         if added == len(hs):  # all new, each once (the usual Store): no per-block split
@@ -86,13 +173,7 @@ class StorePath:
         finally:
             if res is not None:  # what was reserved by this call and never committed is rolled back
                 life.finish(res)
-        entries = res.entries if res is not None else []
-        if entries and entries[0].ready and self.namespaces.fix_canary(s.namespace, s.canary):
-            log.info("namespace %s: hash canary fixed by session %s, its first store", s.namespace, s.label)
-        self._store_latency.observe(time.perf_counter() - t0)
-        pipeline.fail_unanswered(results, StoreStatus.FAILED)
-        TRACE.mark(call, "end")
-        return results
+        return res.entries[0] if res is not None and res.entries else None
 
     async def _store_hits(self, touched: list[tuple[int, Entry]], ttl: float, now: float,
                           results: StoreResults) -> list[tuple[int, Entry]]:
@@ -154,15 +235,17 @@ class StorePath:
         await self._answer_already_stored(stored, ttl, now, results)
 
     async def _store_new(self, s: Session, pos: list[int], res: Reservation, bids: list[int], ttl: float,
-                         now: float, results: StoreResults, call: int = 0) -> None:
+                         now: float, results: StoreResults, call: int = 0,
+                         reserve_rest: Callable[[], bool] | None = None) -> None:
         """Copy new blocks in, head first, in chunks the host tier can hold: a batch larger than
-        the host tier streams through it (earlier chunks spill as later ones arrive)."""
+        the host tier streams through it (earlier chunks spill as later ones arrive).
+        reserve_rest: see _store_chunk (a batch of one chunk only)."""
         t = self._t
         chunk = max(1, min(t.host.arena.max_slots(s.block_bytes), t.host.capacity_bytes // s.block_bytes))
         n = len(res)
         for lo in range(0, n, chunk):
             hi = lo + chunk
-            stored = await self._store_chunk(s, pos[lo:hi], res, bids[lo:hi], ttl, now, results, call)
+            stored = await self._store_chunk(s, pos[lo:hi], res, bids[lo:hi], ttl, now, results, call, reserve_rest)
             if not stored:
                 t.life.release_unbuilt(res)
                 for i in pos[hi:]:
@@ -170,7 +253,8 @@ class StorePath:
                 return
 
     async def _store_chunk(self, s: Session, pos: list[int], res: Reservation, bids: list[int], ttl: float,
-                           now: float, results: StoreResults, call: int = 0) -> bool:
+                           now: float, results: StoreResults, call: int = 0,
+                           reserve_rest: Callable[[], bool] | None = None) -> bool:
         """Store what fits of one chunk (the next len(pos) hashes of res); False when some of it did
         not fit. Plan (evict, no await), wait for the spills that make the room, take slots, build the
         reserved entries (Lifecycle.build) and place the slots on them, copy
@@ -181,7 +265,10 @@ class StorePath:
         pipeline.PIPELINE_BLOCKS), the plan of a part beside the copy of the one before (at most
         pipeline.PIPELINE_DEPTH copies in flight): the bookkeeping of a large Store runs while the copy
         thread waits on the device, and the first copy starts after a short plan.
-        Its blocks are still committed together at the end, as one chain."""
+        Its blocks are still committed together at the end, as one chain.
+        reserve_rest (_store_head_first's): called once the first part's copy is queued, before the
+        second part's plan; False means the blocks after the first part are not this chunk's (they
+        were never built): it ends with the first part."""
         t = self._t
         life = t.life
         n = len(pos)
@@ -210,10 +297,18 @@ class StorePath:
                 if fit < want:  # head first: when only part of the chain fits, keep its prefix
                     self._refuse_rest(s, pos[lo + fit:], res, lo + fit, n, now, results)
                     break
+                if reserve_rest is not None:
+                    if not reserve_rest():  # the rest goes as a Store of its own, once this one is over
+                        n = hi
+                        pos = pos[:hi]
+                    reserve_rest = None
+                    TRACE.mark(call, "reserved#rest")
                 while len(jobs) - waited >= pipeline.PIPELINE_DEPTH or (waited < len(jobs) and hi >= n):
                     sums += await asyncio.shield(jobs[waited][0])
                     TRACE.mark(call, "copied")
                     waited += 1
+                if hi >= n:
+                    break
         except BaseException:
             for fut, placed in jobs[waited:] if waited < len(jobs) else ():
                 self._abandon_copy(fut, placed)

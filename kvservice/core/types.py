@@ -97,6 +97,16 @@ class StoreResults:
         if message:
             self.messages[i] = message
 
+    def merge(self, other: StoreResults, base: int) -> None:
+        """other's outcomes as this one's from position base on (the rest of a batch stored apart)."""
+        self.status[base:base + len(other.status)] = other.status
+        if other.deadline is not None:
+            if self.deadline is None:
+                self.deadline = [0.0] * len(self.status)
+            self.deadline[base:base + len(other.deadline)] = other.deadline
+        for i, m in other.messages.items():
+            self.messages[base + i] = m
+
     def __len__(self) -> int:
         return len(self.status)
 
