@@ -139,6 +139,17 @@ async def test_a_store_in_byte_sized_parts_is_byte_exact_and_one_chain(tmp_path,
             assert cache.audit() == []
 
 
+async def _nothing_left_once_the_copies_end(cache, eng, gate, numbers: list[int]) -> None:
+    """After a cancelled Store: open the gate, and once its copies are done nothing of it is left
+    (audit clean, no host room taken) and the same blocks store again, byte-exact."""
+    gate.open.set()
+    await until(lambda: gate.inside == 0, "the copies to end")
+    await asyncio.sleep(0.05)
+    assert cache.audit() == []
+    assert cache.tiers.host.used_bytes == 0
+    await restore_works(eng, numbers)
+
+
 async def test_a_store_cancelled_in_its_second_part_rolls_back_every_part(tmp_path, parts_of, gated_gather):  # noqa: F811
     parts_of(2, depth=2)
     cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=16 * BLOCK)
@@ -151,12 +162,7 @@ async def test_a_store_cancelled_in_its_second_part_rolls_back_every_part(tmp_pa
                 assert cache.audit(idle=False) == []
                 await cancelled(task)
                 assert not [e for e in cache.tiers.index.values() if not e.ready], "half-made entries after the cancel"
-                gated_gather.open.set()
-                await until(lambda: gated_gather.inside == 0, "the copies to end")
-                await asyncio.sleep(0.05)
-                assert cache.audit() == []
-                assert cache.tiers.host.used_bytes == 0
-                await restore_works(eng, list(range(8)))
+                await _nothing_left_once_the_copies_end(cache, eng, gated_gather, list(range(8)))
             finally:
                 gated_gather.open.set()
 
@@ -355,11 +361,6 @@ async def test_a_head_first_store_cancelled_before_its_rest_leaves_nothing(tmp_p
                 await until(lambda: gated_gather.inside >= 1, "the first part's copy")
                 await cancelled(task)
                 assert not list(cache.tiers.index.values()), "the cancelled Store left entries or marks"
-                gated_gather.open.set()
-                await until(lambda: gated_gather.inside == 0, "the copy to end")
-                await asyncio.sleep(0.05)
-                assert cache.audit() == []
-                assert cache.tiers.host.used_bytes == 0
-                await restore_works(eng, list(range(8)))
+                await _nothing_left_once_the_copies_end(cache, eng, gated_gather, list(range(8)))
             finally:
                 gated_gather.open.set()

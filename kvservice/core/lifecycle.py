@@ -175,9 +175,8 @@ class Lifecycle:
         places of a hash twice in the batch) - and added, how many hashes r holds. The caller sets
         r.hashes to those hashes, each once, in the order it will build them, then hold(r)."""
         r = Reservation(blocks, ns, (), size, now)
-        before = len(blocks)
-        found = list(map(blocks.setdefault, hashes, repeat(r.mark)))
-        return r, found, len(blocks) - before
+        found, added = self.reserve_more(r, hashes)
+        return r, found, added
 
     def reserve_more(self, r: Reservation, hashes: Sequence[bytes]) -> tuple[list[Entry], int]:
         """reserve_found's pass for more hashes of the same Store (the rest of a batch whose head is
@@ -189,8 +188,8 @@ class Lifecycle:
         return found, len(blocks) - before
 
     def unreserve(self, r: Reservation, hashes: Sequence[bytes]) -> None:
-        """Undo reserve_more for these hashes, with no await between the two: those that map to r's
-        mark leave the index (the others were another call's, or stored, and stay)."""
+        """These hashes leave the index where they map to r's mark (the others were another call's,
+        or stored, and stay): reserve_more undone with no await between, or hashes never built."""
         blocks, mark = r.blocks, r.mark
         for h in hashes:
             if blocks.get(h) is mark:
@@ -212,10 +211,7 @@ class Lifecycle:
 
     def release_unbuilt(self, r: Reservation) -> None:
         """The hashes of r whose entries were never built leave the index (they will not be stored)."""
-        blocks, mark = r.blocks, r.mark
-        for h in r.hashes[len(r.entries):]:
-            if blocks.get(h) is mark:
-                del blocks[h]
+        self.unreserve(r, r.hashes[len(r.entries):])
         r.hashes = r.hashes[:len(r.entries)]
 
     def finish(self, r: Reservation) -> None:

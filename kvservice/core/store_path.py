@@ -75,8 +75,7 @@ class StorePath:
         (the whole batch is reserved first)."""
         if not pipeline.STORE_FIRST_BYTES or n * size <= pipeline.STORE_FIRST_BYTES:
             return 0
-        host = self._t.host
-        if n > min(host.arena.max_slots(size), host.capacity_bytes // size):  # more than one chunk
+        if n > self._chunk_blocks(size):  # more than one chunk
             return 0
         return pipeline.parts(n, size, pipeline.STORE_FIRST_BYTES, pipeline.STORE_GROW)[0][1]
 
@@ -114,7 +113,6 @@ class StorePath:
             return False
         try:
             await self._store_new(s, list(range(n)), res, ids, ttl, now, results, call, reserve_rest)
-            life.finish(res)
         finally:
             life.finish(res)
         return (res.entries[0] if res.entries else None), taken, None
@@ -241,7 +239,7 @@ class StorePath:
         the host tier streams through it (earlier chunks spill as later ones arrive).
         reserve_rest: see _store_chunk (a batch of one chunk only)."""
         t = self._t
-        chunk = max(1, min(t.host.arena.max_slots(s.block_bytes), t.host.capacity_bytes // s.block_bytes))
+        chunk = self._chunk_blocks(s.block_bytes)
         n = len(res)
         for lo in range(0, n, chunk):
             hi = lo + chunk
@@ -251,6 +249,11 @@ class StorePath:
                 for i in pos[hi:]:
                     results.set(i, StoreStatus.NOT_STORED, message="no room in the host tier")
                 return
+
+    def _chunk_blocks(self, size: int) -> int:
+        """The most blocks of size one chunk of a Store holds: what the host tier can hold at once."""
+        host = self._t.host
+        return max(1, min(host.arena.max_slots(size), host.capacity_bytes // size))
 
     async def _store_chunk(self, s: Session, pos: list[int], res: Reservation, bids: list[int], ttl: float,
                            now: float, results: StoreResults, call: int = 0,
