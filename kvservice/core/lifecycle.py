@@ -9,8 +9,8 @@
     A Store holds all its new hashes from the start (reserve_found: each maps to the Store's one
     `mark`, a not-ready Entry without a hash) and builds their RESERVED entries part by part (build),
     each part's beside the copy of the part before; finish() drops the hashes never built. A large
-    Store holds its first part's hashes first and the rest once that part's copy is queued
-    (reserve_more, checked with no await between; unreserve if the rest is not all new).
+    Store holds its first part's hashes first and each later part's just before that part's plan
+    (reserve_more, checked with no await between; unreserve if that part is not all new).
 
   A READY block has two separate facts, a hold count and at most one lease:
     host copy:  NONE ─add (Store commit, disk onboard)─> RESIDENT (in the host LRU)

@@ -83,10 +83,11 @@ class StorePath:
                                 now: float, results: StoreResults, call: int
                                 ) -> tuple[Entry | None, int, tuple[Reservation, list[Entry], int] | None]:
         """A large Store whose first part (hs[:head]) is all new: reserved, planned and copied before
-        the rest is reserved; the rest is reserved beside that copy (Lifecycle.reserve_more, no await
-        between it and its check) and stored in the same pass when it is all new too, as one chain.
-        When it is not (a hit, a hash twice, another Store's), the rest is left to the general path, as
-        a Store of its own once this one is over: returns (the first entry, blocks answered here, None).
+        the rest is reserved; each later part's hashes are reserved just before that part's plan,
+        beside the copies in flight (Lifecycle.reserve_more, no await between it and its check), and
+        the batch is stored in one pass, as one chain, while every part is all new. From the first
+        part that is not (a hit, a hash twice, another Store's), the rest is left to the general path,
+        as a Store of its own once this one is over: returns (the first entry, blocks answered here, None).
         A head that is not all new: nothing answered here (0), its reservation handed on (the third
         item: reserve_found's answer) for the general path to go on from."""
         t = self._t
@@ -97,22 +98,22 @@ class StorePath:
             return None, 0, (res, found, added)
         del found
         n = len(hs)
-        res.hashes = hs  # the rest's entries are built only once reserve_rest() took them
+        res.hashes = hs  # a later part's entries are built only once reserve_part() took its hashes
         life.hold(res)
         TRACE.mark(call, "reserved")
         taken = n
 
-        def reserve_rest() -> bool:
+        def reserve_part(lo: int, hi: int) -> bool:
             nonlocal taken
-            _, more = life.reserve_more(res, hs[head:])
-            if more == n - head:
+            _, more = life.reserve_more(res, hs[lo:hi])
+            if more == hi - lo:
                 return True
-            life.unreserve(res, hs[head:])
-            res.hashes = hs[:head]
-            taken = head
+            life.unreserve(res, hs[lo:hi])
+            res.hashes = hs[:lo]
+            taken = lo
             return False
         try:
-            await self._store_new(s, list(range(n)), res, ids, ttl, now, results, call, reserve_rest)
+            await self._store_new(s, list(range(n)), res, ids, ttl, now, results, call, reserve_part)
         finally:
             life.finish(res)
         return (res.entries[0] if res.entries else None), taken, None
@@ -234,16 +235,16 @@ class StorePath:
 
     async def _store_new(self, s: Session, pos: list[int], res: Reservation, bids: list[int], ttl: float,
                          now: float, results: StoreResults, call: int = 0,
-                         reserve_rest: Callable[[], bool] | None = None) -> None:
+                         reserve_part: Callable[[int, int], bool] | None = None) -> None:
         """Copy new blocks in, head first, in chunks the host tier can hold: a batch larger than
         the host tier streams through it (earlier chunks spill as later ones arrive).
-        reserve_rest: see _store_chunk (a batch of one chunk only)."""
+        reserve_part: see _store_chunk (a batch of one chunk only)."""
         t = self._t
         chunk = self._chunk_blocks(s.block_bytes)
         n = len(res)
         for lo in range(0, n, chunk):
             hi = lo + chunk
-            stored = await self._store_chunk(s, pos[lo:hi], res, bids[lo:hi], ttl, now, results, call, reserve_rest)
+            stored = await self._store_chunk(s, pos[lo:hi], res, bids[lo:hi], ttl, now, results, call, reserve_part)
             if not stored:
                 t.life.release_unbuilt(res)
                 for i in pos[hi:]:
@@ -257,7 +258,7 @@ class StorePath:
 
     async def _store_chunk(self, s: Session, pos: list[int], res: Reservation, bids: list[int], ttl: float,
                            now: float, results: StoreResults, call: int = 0,
-                           reserve_rest: Callable[[], bool] | None = None) -> bool:
+                           reserve_part: Callable[[int, int], bool] | None = None) -> bool:
         """Store what fits of one chunk (the next len(pos) hashes of res); False when some of it did
         not fit. Plan (evict, no await), wait for the spills that make the room, take slots, build the
         reserved entries (Lifecycle.build) and place the slots on them, copy
@@ -269,9 +270,9 @@ class StorePath:
         pipeline.PIPELINE_DEPTH copies in flight): the bookkeeping of a large Store runs while the copy
         thread waits on the device, and the first copy starts after a short plan.
         Its blocks are still committed together at the end, as one chain.
-        reserve_rest (_store_head_first's): called once the first part's copy is queued, before the
-        second part's plan; False means the blocks after the first part are not this chunk's (they
-        were never built): it ends with the first part."""
+        reserve_part(lo, hi) (_store_head_first's): called before each part after the first, to hold
+        that part's hashes (the first part's are held already); False means they are not all new: the
+        chunk ends before that part (its blocks and the later ones were never built)."""
         t = self._t
         life = t.life
         n = len(pos)
@@ -283,6 +284,12 @@ class StorePath:
         loop = asyncio.get_running_loop()
         try:
             for lo, hi in pipeline.parts(n, s.block_bytes, pipeline.STORE_FIRST_BYTES, pipeline.STORE_GROW):
+                if lo and reserve_part is not None:
+                    if not reserve_part(lo, hi):  # the rest goes as a Store of its own, once this one is over
+                        n = lo
+                        pos = pos[:lo]
+                        break
+                    TRACE.mark(call, "reserved")
                 want = hi - lo
                 fit, offsets = await self._host_room(s.block_bytes, want, now)
                 TRACE.mark(call, "room")
@@ -300,12 +307,6 @@ class StorePath:
                 if fit < want:  # head first: when only part of the chain fits, keep its prefix
                     self._refuse_rest(s, pos[lo + fit:], res, lo + fit, n, now, results)
                     break
-                if reserve_rest is not None:
-                    if not reserve_rest():  # the rest goes as a Store of its own, once this one is over
-                        n = hi
-                        pos = pos[:hi]
-                    reserve_rest = None
-                    TRACE.mark(call, "reserved#rest")
                 while len(jobs) - waited >= pipeline.PIPELINE_DEPTH or (waited < len(jobs) and hi >= n):
                     sums += await asyncio.shield(jobs[waited][0])
                     TRACE.mark(call, "copied")
