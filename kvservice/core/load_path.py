@@ -27,6 +27,7 @@ from kvservice.ops.trace import TRACE
 from kvservice.placement.index import DiskState, Entry
 
 _slot_of = operator.attrgetter("slot")
+_LOADED, _HOST = bytes((LoadStatus.LOADED,)), bytes((Tier.HOST,))  # one byte each (LoadResults are bytearrays)
 
 
 class LoadPath:
@@ -104,8 +105,8 @@ class LoadPath:
             status, tiers = results.status, results.tier
             loaded = int(LoadStatus.LOADED)
             if len(served) == len(status):  # all served, in order: whole-array results
-                status[:] = [loaded] * len(status)
-                tiers[:] = tiers_of
+                status[:] = _LOADED * len(status)
+                tiers[:] = bytes(tiers_of)
             else:
                 for k in served:
                     i = pos[k]
@@ -193,8 +194,8 @@ class LoadPath:
     @staticmethod
     def _answer_loaded(results: LoadResults, n: int) -> None:
         """LOADED from the host tier for the first n blocks."""
-        results.status[:n] = [int(LoadStatus.LOADED)] * n
-        results.tier[:n] = [int(Tier.HOST)] * n
+        results.status[:n] = _LOADED * n
+        results.tier[:n] = _HOST * n
 
     async def _collect_bytes(self, s: Session, pos: list[int], bids: list[int], found: list[Entry],
                              results: LoadResults):

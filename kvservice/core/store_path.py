@@ -24,6 +24,7 @@ from kvservice.ops.trace import TRACE
 from kvservice.placement.index import DiskState, Entry
 
 log = logging.getLogger(__name__)
+_STORED = bytes((StoreStatus.STORED,))  # one status byte (StoreResults.status is a bytearray)
 
 
 class StorePath:
@@ -338,7 +339,7 @@ class StorePath:
         status = results.status
         if not ttl:
             if pos[placed_n - 1] - pos[0] == placed_n - 1:  # positions ascending: a contiguous run, one slice
-                status[pos[0]:pos[0] + placed_n] = [StoreStatus.STORED] * placed_n
+                status[pos[0]:pos[0] + placed_n] = _STORED * placed_n
             else:
                 for i in pos[:placed_n]:
                     status[i] = StoreStatus.STORED

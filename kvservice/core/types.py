@@ -79,12 +79,16 @@ class LoadResult:
 class StoreResults:
     """A Store's per-block outcome as parallel arrays (what StoreReply carries): a status per block,
     a deadline per block (None: all 0), a message only for the blocks that have one. Indexing or
-    iterating builds a StoreResult per block (tests, in-process callers); the servicer reads the arrays."""
+    iterating builds a StoreResult per block (tests, in-process callers); the servicer reads the arrays.
+    The statuses are a bytearray (every StoreStatus is < 256; 0: not answered yet): a batch's whole-run
+    answer is one slice of bytes, "is any block unanswered" one memchr, and the frames channel's
+    reply field (one byte a status) one memcpy, where a list of 32768 IntEnums cost ~1 ms to turn
+    into bytes on the GPU host's reply path."""
 
     __slots__ = ("status", "deadline", "messages")
 
     def __init__(self, n: int) -> None:
-        self.status: list[int] = [0] * n
+        self.status = bytearray(n)
         self.deadline: list[float] | None = None
         self.messages: dict[int, str] = {}
 
@@ -120,13 +124,14 @@ class StoreResults:
 
 class LoadResults:
     """A Load's per-block outcome as parallel arrays (what LoadReply carries): status and source tier
-    per block, a message only for the blocks that have one. Indexing builds a LoadResult."""
+    per block, a message only for the blocks that have one. Indexing builds a LoadResult. Both arrays
+    are bytearrays, as StoreResults' statuses (every LoadStatus and Tier is < 256)."""
 
     __slots__ = ("status", "tier", "messages")
 
     def __init__(self, n: int) -> None:
-        self.status: list[int] = [0] * n
-        self.tier: list[int] = [0] * n
+        self.status = bytearray(n)
+        self.tier = bytearray(n)
         self.messages: dict[int, str] = {}
 
     def set(self, i: int, status: LoadStatus, tier: Tier = Tier.NONE, message: str = "") -> None:
