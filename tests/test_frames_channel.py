@@ -18,7 +18,7 @@ import pytest
 from engine_client import AsyncKVClient, KVClient, KVClientError, Namespace, ShmKVPool
 from engine_client.lookup_channel import MAX_ASYNC_CONNECTIONS
 from harness.daemon import Daemon
-from kvwire.lookup_frames import frame, lookup_socket_path, read_frame
+from kvwire.lookup_frames import frame, le32, lookup_socket_path, read_frame
 from kvwire.v1 import kvcache_pb2, kvcache_pb2_grpc
 from tests.corekit import content, h
 from tests.engine_kit import EngineProc
@@ -153,9 +153,22 @@ def test_raw_frames_get_grpc_s_refusals(daemon, pool):
             s.sendall(frame(b"\xff\xff\xff"))
             got = kvcache_pb2.ChannelReply.FromString(read_frame(s))
             assert got.code == "INVALID_ARGUMENT" and "not a ChannelRequest" in got.message
+            # the ids as little-endian uint32 (what KVClient sends): both forms at once, or a broken length
+            got = raw_call(s, kvcache_pb2.ChannelRequest(call=kvcache_pb2.STORE, session_id=sid, hashes=chain[0],
+                                                         block_ids=[3], block_ids_le32=le32([3])))
+            assert got.code == "INVALID_ARGUMENT" and "both block_ids and block_ids_le32" in got.message
+            got = raw_call(s, kvcache_pb2.ChannelRequest(call=kvcache_pb2.LOAD, session_id=sid, hashes=chain[0],
+                                                         block_ids_le32=b"\x03\x00\x00"))
+            assert got.code == "INVALID_ARGUMENT" and "not a multiple of 4" in got.message
+            got = raw_call(s, kvcache_pb2.ChannelRequest(call=kvcache_pb2.STORE, session_id=sid,
+                                                         hashes=b"".join(chain[:2]), block_ids_le32=le32([5])))
+            assert got.code == "INVALID_ARGUMENT" and "1 block_ids for 2 hashes" in got.message, got.message
             got = raw_call(s, kvcache_pb2.ChannelRequest(call=kvcache_pb2.STORE, session_id=sid, hashes=chain[0],
                                                          block_ids=[3]))
-            assert not got.code and list(got.statuses) == [STORED]  # the connection still serves
+            assert not got.code and list(got.statuses) == [STORED]  # the connection still serves (packed varints too)
+            got = raw_call(s, kvcache_pb2.ChannelRequest(call=kvcache_pb2.LOAD, session_id=sid, hashes=chain[0],
+                                                         block_ids_le32=le32([7])))
+            assert not got.code and list(got.statuses) == [kvcache_pb2.LOADED]
         assert client.lookup(chain[:1]) == (1, [kvcache_pb2.TIER_HOST])
 
 

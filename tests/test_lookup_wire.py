@@ -6,7 +6,9 @@ carry exactly what the messages would."""
 from __future__ import annotations
 
 import random
+import struct
 
+import numpy as np
 import pytest
 
 from kvservice.api import convert
@@ -51,8 +53,17 @@ def test_data_request_parts_concatenate_to_the_serialized_message(n, call):
             parts = data_request_parts(call, session_id, hashes, ids, ttl, namespace_id)
             assert any(p is hashes for p in parts) == bool(n)  # not copied
             want = kvcache_pb2.ChannelRequest(call=call, session_id=session_id, namespace_id=namespace_id,
-                                              hashes=packed, block_ids=ids, ttl_seconds=ttl)
-            assert kvcache_pb2.ChannelRequest.FromString(b"".join(bytes(p) for p in parts)) == want
+                                              hashes=packed, block_ids_le32=struct.pack(f"<{n}I", *ids),
+                                              ttl_seconds=ttl)
+            got = kvcache_pb2.ChannelRequest.FromString(b"".join(bytes(p) for p in parts))
+            assert got == want
+            assert list(np.frombuffer(got.block_ids_le32, dtype="<u4")) == ids  # as the daemon reads them
+
+
+@pytest.mark.parametrize("ids", [[-1], [1 << 32], [0, 2.0], ["3"]])
+def test_data_request_parts_refuse_an_id_outside_uint32(ids):
+    with pytest.raises(ValueError, match="block ids must be integers"):
+        data_request_parts(kvcache_pb2.STORE, "s", b"x" * 32 * len(ids), ids)
 
 
 @pytest.mark.parametrize("tiers", [[], [2], [2] * 1024, [3] * 7, [2] * 100 + [3] + [2] * 5, [3, 2, 3], (2, 2, 2),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from kvservice.core.sessions_api import NamespaceSpec, OpenedSession, PoolRegion, PoolSpec, SessionInfo
@@ -170,6 +171,21 @@ def store_reply(results: StoreResults) -> kvcache_pb2.StoreReply:
 
 def load_reply(results: LoadResults) -> kvcache_pb2.LoadReply:
     return kvcache_pb2.LoadReply(statuses=results.status, tiers=results.tier, messages=_messages(results.messages))
+
+
+def channel_block_ids(request: kvcache_pb2.ChannelRequest):
+    """A Store's or Load's block ids off the frames channel: block_ids_le32 (what KVClient sends) as a
+    numpy array over the request's bytes, or the packed block_ids field. INVALID_ARGUMENT for both at
+    once, or a block_ids_le32 that is not a whole number of 4-byte ids."""
+    raw = request.block_ids_le32
+    if not raw:
+        return request.block_ids
+    if len(request.block_ids):
+        raise CacheError(ErrorCode.INVALID_ARGUMENT, "ChannelRequest has both block_ids and block_ids_le32: send one")
+    if len(raw) % 4:
+        raise CacheError(ErrorCode.INVALID_ARGUMENT,
+                         f"block_ids_le32 has {len(raw)} bytes, not a multiple of 4 (little-endian uint32 ids)")
+    return np.frombuffer(raw, dtype="<u4")
 
 
 def store_channel_reply(results: StoreResults) -> kvcache_pb2.ChannelReply:

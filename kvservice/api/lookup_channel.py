@@ -159,11 +159,11 @@ class LookupChannel:
         name = kvcache_pb2.ChannelCall.Name(request.call).capitalize()
         try:
             self._check_peer(uid, request.session_id)
+            ids = convert.channel_block_ids(request)
             if request.call == kvcache_pb2.STORE:
-                results = await self._cache.store(sid, request.hashes, request.block_ids, request.ttl_seconds,
-                                                  request.namespace_id)
+                results = await self._cache.store(sid, request.hashes, ids, request.ttl_seconds, request.namespace_id)
                 return convert.store_channel_reply(results)
-            loaded = await self._cache.load(sid, request.hashes, request.block_ids, request.namespace_id)
+            loaded = await self._cache.load(sid, request.hashes, ids, request.namespace_id)
             return convert.load_channel_reply(loaded)
         except CacheError as e:
             return _refusal(e.code.value, e.message)

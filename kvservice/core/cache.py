@@ -253,7 +253,8 @@ class BlockCache(StorePath, LoadPath, PrefetchPath):
                     mark[a] = True
                     if int(np.count_nonzero(mark)) == n:
                         return a.tolist()
-        ids = list(block_ids)  # small batches, and any batch the checks above refused: say why
+        # small batches, and any batch the checks above refused: say why (an array off the frames channel: as ints)
+        ids = block_ids.tolist() if isinstance(block_ids, np.ndarray) else list(block_ids)
         if len(ids) != n:
             raise CacheError(ErrorCode.INVALID_ARGUMENT,
                              f"{len(ids)} block_ids for {n} hashes: block_ids must name one engine block per hash")

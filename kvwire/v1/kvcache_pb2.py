@@ -25,23 +25,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvservice/v1/kvcache.proto\x12\x0ckvservice.v1\"\x8f\x01\n\tNamespace\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x10\n\x08kv_dtype\x18\x02 \x01(\t\x12\x18\n\x10tokens_per_block\x18\x03 \x01(\r\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x0f\n\x07tp_rank\x18\x05 \x01(\r\x12\x0f\n\x07tp_size\x18\x06 \x01(\r\x12\x12\n\ncache_salt\x18\x07 \x01(\t\"G\n\nPoolRegion\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x14\n\x0c\x62lock_stride\x18\x02 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\"%\n\tShmHandle\x12\x0c\n\x04size\x18\x02 \x01(\x04J\x04\x08\x01\x10\x02R\x04name\"n\n\rCudaIpcHandle\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x14\n\x0c\x64\x65vice_index\x18\x02 \x01(\x05\x12\x13\n\x0b\x64\x65vice_uuid\x18\x03 \x01(\t\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x05 \x01(\x0c\"\xaf\x01\n\x0fPoolDescription\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12)\n\x07regions\x18\x02 \x03(\x0b\x32\x18.kvservice.v1.PoolRegion\x12&\n\x03shm\x18\x03 \x01(\x0b\x32\x17.kvservice.v1.ShmHandleH\x00\x12+\n\x04\x63uda\x18\x04 \x01(\x0b\x32\x1b.kvservice.v1.CudaIpcHandleH\x00\x42\x08\n\x06handle\"\x97\x01\n\x12OpenSessionRequest\x12*\n\tnamespace\x18\x01 \x01(\x0b\x32\x17.kvservice.v1.Namespace\x12+\n\x04pool\x18\x02 \x01(\x0b\x32\x1d.kvservice.v1.PoolDescription\x12\x13\n\x0bhash_canary\x18\x03 \x01(\x0c\x12\x13\n\x0b\x63lient_name\x18\x04 \x01(\t\"\xbd\x01\n\x10OpenSessionReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\t\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12\x18\n\x10max_batch_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\r\x12\r\n\x05label\x18\x06 \x01(\t\x12\x13\n\x0b\x64\x61ta_socket\x18\x07 \x01(\t\x12\x15\n\rlookup_socket\x18\x08 \x01(\t\"c\n\x11RegistrationReply\x12/\n\x07session\x18\x01 \x01(\x0b\x32\x1e.kvservice.v1.OpenSessionReply\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"&\n\x10HeartbeatRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\'\n\x0eHeartbeatReply\x12\x15\n\rlease_seconds\x18\x01 \x01(\x01\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x13\n\x11\x43loseSessionReply\"O\n\rLookupRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x03 \x01(\t\x12\x0e\n\x06hashes\x18\x04 \x01(\x0cJ\x04\x08\x02\x10\x03\"G\n\x0bLookupReply\x12\x15\n\rprefix_blocks\x18\x01 \x01(\r\x12!\n\x05tiers\x18\x02 \x03(\x0e\x32\x12.kvservice.v1.Tier\"\xa1\x01\n\x0e\x43hannelRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x03 \x01(\t\x12\x0e\n\x06hashes\x18\x04 \x01(\x0c\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\'\n\x04\x63\x61ll\x18\x06 \x01(\x0e\x32\x19.kvservice.v1.ChannelCall\x12\x13\n\x0bttl_seconds\x18\x07 \x01(\x01J\x04\x08\x02\x10\x03\"\xb2\x01\n\x0c\x43hannelReply\x12\x15\n\rprefix_blocks\x18\x01 \x01(\r\x12\r\n\x05tiers\x18\x02 \x01(\x0c\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x10\n\x08statuses\x18\x07 \x01(\x0c\x12\x11\n\tdeadlines\x18\x08 \x03(\x01\x12,\n\x08messages\x18\t \x03(\x0b\x32\x1a.kvservice.v1.BlockMessageJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07\".\n\x0c\x42lockMessage\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x90\x01\n\x0cStoreRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x01\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x14\n\x0cnamespace_id\x18\x05 \x01(\t\x12\x0e\n\x06hashes\x18\x06 \x01(\x0c\x12\x11\n\tblock_ids\x18\x07 \x03(\rJ\x04\x08\x02\x10\x03R\x06\x62locks\"\x89\x01\n\nStoreReply\x12+\n\x08statuses\x18\x02 \x03(\x0e\x32\x19.kvservice.v1.StoreStatus\x12\x11\n\tdeadlines\x18\x03 \x03(\x01\x12,\n\x08messages\x18\x04 \x03(\x0b\x32\x1a.kvservice.v1.BlockMessageJ\x04\x08\x01\x10\x02R\x07results\"h\n\x0bLoadRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x03 \x01(\t\x12\x0e\n\x06hashes\x18\x04 \x01(\x0c\x12\x11\n\tblock_ids\x18\x05 \x03(\rJ\x04\x08\x02\x10\x03R\x06\x62locks\"\x97\x01\n\tLoadReply\x12*\n\x08statuses\x18\x02 \x03(\x0e\x32\x18.kvservice.v1.LoadStatus\x12!\n\x05tiers\x18\x03 \x03(\x0e\x32\x12.kvservice.v1.Tier\x12,\n\x08messages\x18\x04 \x03(\x0b\x32\x1a.kvservice.v1.BlockMessageJ\x04\x08\x01\x10\x02R\x07results\"Q\n\x0fPrefetchRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x03 \x01(\t\x12\x0e\n\x06hashes\x18\x04 \x01(\x0cJ\x04\x08\x02\x10\x03\"l\n\rPrefetchReply\x12-\n\x07results\x18\x01 \x03(\x0e\x32\x1c.kvservice.v1.PrefetchStatus\x12,\n\x08messages\x18\x02 \x03(\x0b\x32\x1a.kvservice.v1.BlockMessage\"d\n\rRetainRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cnamespace_id\x18\x04 \x01(\t\x12\x0e\n\x06hashes\x18\x05 \x01(\x0cJ\x04\x08\x02\x10\x03\" \n\x0bRetainReply\x12\x11\n\tdeadlines\x18\x01 \x03(\x01*H\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_GPU\x10\x01\x12\r\n\tTIER_HOST\x10\x02\x12\r\n\tTIER_DISK\x10\x03*.\n\x0b\x43hannelCall\x12\n\n\x06LOOKUP\x10\x00\x12\t\n\x05STORE\x10\x01\x12\x08\n\x04LOAD\x10\x02*\x86\x01\n\x0bStoreStatus\x12\x1c\n\x18STORE_STATUS_UNSPECIFIED\x10\x00\x12\n\n\x06STORED\x10\x01\x12\x12\n\x0e\x41LREADY_STORED\x10\x02\x12\x17\n\x13STORED_NOT_RETAINED\x10\x03\x12\x10\n\x0cSTORE_FAILED\x10\x04\x12\x0e\n\nNOT_STORED\x10\x05*S\n\nLoadStatus\x12\x1b\n\x17LOAD_STATUS_UNSPECIFIED\x10\x00\x12\n\n\x06LOADED\x10\x01\x12\x0b\n\x07MISSING\x10\x02\x12\x0f\n\x0bLOAD_FAILED\x10\x03*v\n\x0ePrefetchStatus\x12\x1f\n\x1bPREFETCH_STATUS_UNSPECIFIED\x10\x00\x12\n\n\x06STAGED\x10\x01\x12\x13\n\x0f\x41LREADY_IN_HOST\x10\x02\x12\r\n\tNOT_FOUND\x10\x03\x12\x13\n\x0fPREFETCH_FAILED\x10\x04\x32\xef\x03\n\x07KVCache\x12I\n\tHeartbeat\x12\x1e.kvservice.v1.HeartbeatRequest\x1a\x1c.kvservice.v1.HeartbeatReply\x12R\n\x0c\x43loseSession\x12!.kvservice.v1.CloseSessionRequest\x1a\x1f.kvservice.v1.CloseSessionReply\x12@\n\x06Lookup\x12\x1b.kvservice.v1.LookupRequest\x1a\x19.kvservice.v1.LookupReply\x12=\n\x05Store\x12\x1a.kvservice.v1.StoreRequest\x1a\x18.kvservice.v1.StoreReply\x12:\n\x04Load\x12\x19.kvservice.v1.LoadRequest\x1a\x17.kvservice.v1.LoadReply\x12\x46\n\x08Prefetch\x12\x1d.kvservice.v1.PrefetchRequest\x1a\x1b.kvservice.v1.PrefetchReply\x12@\n\x06Retain\x12\x1b.kvservice.v1.RetainRequest\x1a\x19.kvservice.v1.RetainReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvservice/v1/kvcache.proto\x12\x0ckvservice.v1\"\x8f\x01\n\tNamespace\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x10\n\x08kv_dtype\x18\x02 \x01(\t\x12\x18\n\x10tokens_per_block\x18\x03 \x01(\r\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x0f\n\x07tp_rank\x18\x05 \x01(\r\x12\x0f\n\x07tp_size\x18\x06 \x01(\r\x12\x12\n\ncache_salt\x18\x07 \x01(\t\"G\n\nPoolRegion\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x14\n\x0c\x62lock_stride\x18\x02 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\"%\n\tShmHandle\x12\x0c\n\x04size\x18\x02 \x01(\x04J\x04\x08\x01\x10\x02R\x04name\"n\n\rCudaIpcHandle\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x14\n\x0c\x64\x65vice_index\x18\x02 \x01(\x05\x12\x13\n\x0b\x64\x65vice_uuid\x18\x03 \x01(\t\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x05 \x01(\x0c\"\xaf\x01\n\x0fPoolDescription\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12)\n\x07regions\x18\x02 \x03(\x0b\x32\x18.kvservice.v1.PoolRegion\x12&\n\x03shm\x18\x03 \x01(\x0b\x32\x17.kvservice.v1.ShmHandleH\x00\x12+\n\x04\x63uda\x18\x04 \x01(\x0b\x32\x1b.kvservice.v1.CudaIpcHandleH\x00\x42\x08\n\x06handle\"\x97\x01\n\x12OpenSessionRequest\x12*\n\tnamespace\x18\x01 \x01(\x0b\x32\x17.kvservice.v1.Namespace\x12+\n\x04pool\x18\x02 \x01(\x0b\x32\x1d.kvservice.v1.PoolDescription\x12\x13\n\x0bhash_canary\x18\x03 \x01(\x0c\x12\x13\n\x0b\x63lient_name\x18\x04 \x01(\t\"\xbd\x01\n\x10OpenSessionReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\t\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12\x18\n\x10max_batch_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\r\x12\r\n\x05label\x18\x06 \x01(\t\x12\x13\n\x0b\x64\x61ta_socket\x18\x07 \x01(\t\x12\x15\n\rlookup_socket\x18\x08 \x01(\t\"c\n\x11RegistrationReply\x12/\n\x07session\x18\x01 \x01(\x0b\x32\x1e.kvservice.v1.OpenSessionReply\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"&\n\x10HeartbeatRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\'\n\x0eHeartbeatReply\x12\x15\n\rlease_seconds\x18\x01 \x01(\x01\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x13\n\x11\x43loseSessionReply\"O\n\rLookupRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x03 \x01(\t\x12\x0e\n\x06hashes\x18\x04 \x01(\x0cJ\x04\x08\x02\x10\x03\"G\n\x0bLookupReply\x12\x15\n\rprefix_blocks\x18\x01 \x01(\r\x12!\n\x05tiers\x18\x02 \x03(\x0e\x32\x12.kvservice.v1.Tier\"\xb9\x01\n\x0e\x43hannelRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x03 \x01(\t\x12\x0e\n\x06hashes\x18\x04 \x01(\x0c\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\'\n\x04\x63\x61ll\x18\x06 \x01(\x0e\x32\x19.kvservice.v1.ChannelCall\x12\x13\n\x0bttl_seconds\x18\x07 \x01(\x01\x12\x16\n\x0e\x62lock_ids_le32\x18\x08 \x01(\x0cJ\x04\x08\x02\x10\x03\"\xb2\x01\n\x0c\x43hannelReply\x12\x15\n\rprefix_blocks\x18\x01 \x01(\r\x12\r\n\x05tiers\x18\x02 \x01(\x0c\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x10\n\x08statuses\x18\x07 \x01(\x0c\x12\x11\n\tdeadlines\x18\x08 \x03(\x01\x12,\n\x08messages\x18\t \x03(\x0b\x32\x1a.kvservice.v1.BlockMessageJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07\".\n\x0c\x42lockMessage\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x90\x01\n\x0cStoreRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x01\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x14\n\x0cnamespace_id\x18\x05 \x01(\t\x12\x0e\n\x06hashes\x18\x06 \x01(\x0c\x12\x11\n\tblock_ids\x18\x07 \x03(\rJ\x04\x08\x02\x10\x03R\x06\x62locks\"\x89\x01\n\nStoreReply\x12+\n\x08statuses\x18\x02 \x03(\x0e\x32\x19.kvservice.v1.StoreStatus\x12\x11\n\tdeadlines\x18\x03 \x03(\x01\x12,\n\x08messages\x18\x04 \x03(\x0b\x32\x1a.kvservice.v1.BlockMessageJ\x04\x08\x01\x10\x02R\x07results\"h\n\x0bLoadRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x03 \x01(\t\x12\x0e\n\x06hashes\x18\x04 \x01(\x0c\x12\x11\n\tblock_ids\x18\x05 \x03(\rJ\x04\x08\x02\x10\x03R\x06\x62locks\"\x97\x01\n\tLoadReply\x12*\n\x08statuses\x18\x02 \x03(\x0e\x32\x18.kvservice.v1.LoadStatus\x12!\n\x05tiers\x18\x03 \x03(\x0e\x32\x12.kvservice.v1.Tier\x12,\n\x08messages\x18\x04 \x03(\x0b\x32\x1a.kvservice.v1.BlockMessageJ\x04\x08\x01\x10\x02R\x07results\"Q\n\x0fPrefetchRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x03 \x01(\t\x12\x0e\n\x06hashes\x18\x04 \x01(\x0cJ\x04\x08\x02\x10\x03\"l\n\rPrefetchReply\x12-\n\x07results\x18\x01 \x03(\x0e\x32\x1c.kvservice.v1.PrefetchStatus\x12,\n\x08messages\x18\x02 \x03(\x0b\x32\x1a.kvservice.v1.BlockMessage\"d\n\rRetainRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cnamespace_id\x18\x04 \x01(\t\x12\x0e\n\x06hashes\x18\x05 \x01(\x0cJ\x04\x08\x02\x10\x03\" \n\x0bRetainReply\x12\x11\n\tdeadlines\x18\x01 \x03(\x01*H\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_GPU\x10\x01\x12\r\n\tTIER_HOST\x10\x02\x12\r\n\tTIER_DISK\x10\x03*.\n\x0b\x43hannelCall\x12\n\n\x06LOOKUP\x10\x00\x12\t\n\x05STORE\x10\x01\x12\x08\n\x04LOAD\x10\x02*\x86\x01\n\x0bStoreStatus\x12\x1c\n\x18STORE_STATUS_UNSPECIFIED\x10\x00\x12\n\n\x06STORED\x10\x01\x12\x12\n\x0e\x41LREADY_STORED\x10\x02\x12\x17\n\x13STORED_NOT_RETAINED\x10\x03\x12\x10\n\x0cSTORE_FAILED\x10\x04\x12\x0e\n\nNOT_STORED\x10\x05*S\n\nLoadStatus\x12\x1b\n\x17LOAD_STATUS_UNSPECIFIED\x10\x00\x12\n\n\x06LOADED\x10\x01\x12\x0b\n\x07MISSING\x10\x02\x12\x0f\n\x0bLOAD_FAILED\x10\x03*v\n\x0ePrefetchStatus\x12\x1f\n\x1bPREFETCH_STATUS_UNSPECIFIED\x10\x00\x12\n\n\x06STAGED\x10\x01\x12\x13\n\x0f\x41LREADY_IN_HOST\x10\x02\x12\r\n\tNOT_FOUND\x10\x03\x12\x13\n\x0fPREFETCH_FAILED\x10\x04\x32\xef\x03\n\x07KVCache\x12I\n\tHeartbeat\x12\x1e.kvservice.v1.HeartbeatRequest\x1a\x1c.kvservice.v1.HeartbeatReply\x12R\n\x0c\x43loseSession\x12!.kvservice.v1.CloseSessionRequest\x1a\x1f.kvservice.v1.CloseSessionReply\x12@\n\x06Lookup\x12\x1b.kvservice.v1.LookupRequest\x1a\x19.kvservice.v1.LookupReply\x12=\n\x05Store\x12\x1a.kvservice.v1.StoreRequest\x1a\x18.kvservice.v1.StoreReply\x12:\n\x04Load\x12\x19.kvservice.v1.LoadRequest\x1a\x17.kvservice.v1.LoadReply\x12\x46\n\x08Prefetch\x12\x1d.kvservice.v1.PrefetchRequest\x1a\x1b.kvservice.v1.PrefetchReply\x12@\n\x06Retain\x12\x1b.kvservice.v1.RetainRequest\x1a\x19.kvservice.v1.RetainReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvwire.v1.kvcache_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=2607
-  _globals['_TIER']._serialized_end=2679
-  _globals['_CHANNELCALL']._serialized_start=2681
-  _globals['_CHANNELCALL']._serialized_end=2727
-  _globals['_STORESTATUS']._serialized_start=2730
-  _globals['_STORESTATUS']._serialized_end=2864
-  _globals['_LOADSTATUS']._serialized_start=2866
-  _globals['_LOADSTATUS']._serialized_end=2949
-  _globals['_PREFETCHSTATUS']._serialized_start=2951
-  _globals['_PREFETCHSTATUS']._serialized_end=3069
+  _globals['_TIER']._serialized_start=2631
+  _globals['_TIER']._serialized_end=2703
+  _globals['_CHANNELCALL']._serialized_start=2705
+  _globals['_CHANNELCALL']._serialized_end=2751
+  _globals['_STORESTATUS']._serialized_start=2754
+  _globals['_STORESTATUS']._serialized_end=2888
+  _globals['_LOADSTATUS']._serialized_start=2890
+  _globals['_LOADSTATUS']._serialized_end=2973
+  _globals['_PREFETCHSTATUS']._serialized_start=2975
+  _globals['_PREFETCHSTATUS']._serialized_end=3093
   _globals['_NAMESPACE']._serialized_start=45
   _globals['_NAMESPACE']._serialized_end=188
   _globals['_POOLREGION']._serialized_start=190
@@ -71,27 +71,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOOKUPREPLY']._serialized_start=1265
   _globals['_LOOKUPREPLY']._serialized_end=1336
   _globals['_CHANNELREQUEST']._serialized_start=1339
-  _globals['_CHANNELREQUEST']._serialized_end=1500
-  _globals['_CHANNELREPLY']._serialized_start=1503
-  _globals['_CHANNELREPLY']._serialized_end=1681
-  _globals['_BLOCKMESSAGE']._serialized_start=1683
-  _globals['_BLOCKMESSAGE']._serialized_end=1729
-  _globals['_STOREREQUEST']._serialized_start=1732
-  _globals['_STOREREQUEST']._serialized_end=1876
-  _globals['_STOREREPLY']._serialized_start=1879
-  _globals['_STOREREPLY']._serialized_end=2016
-  _globals['_LOADREQUEST']._serialized_start=2018
-  _globals['_LOADREQUEST']._serialized_end=2122
-  _globals['_LOADREPLY']._serialized_start=2125
-  _globals['_LOADREPLY']._serialized_end=2276
-  _globals['_PREFETCHREQUEST']._serialized_start=2278
-  _globals['_PREFETCHREQUEST']._serialized_end=2359
-  _globals['_PREFETCHREPLY']._serialized_start=2361
-  _globals['_PREFETCHREPLY']._serialized_end=2469
-  _globals['_RETAINREQUEST']._serialized_start=2471
-  _globals['_RETAINREQUEST']._serialized_end=2571
-  _globals['_RETAINREPLY']._serialized_start=2573
-  _globals['_RETAINREPLY']._serialized_end=2605
-  _globals['_KVCACHE']._serialized_start=3072
-  _globals['_KVCACHE']._serialized_end=3567
+  _globals['_CHANNELREQUEST']._serialized_end=1524
+  _globals['_CHANNELREPLY']._serialized_start=1527
+  _globals['_CHANNELREPLY']._serialized_end=1705
+  _globals['_BLOCKMESSAGE']._serialized_start=1707
+  _globals['_BLOCKMESSAGE']._serialized_end=1753
+  _globals['_STOREREQUEST']._serialized_start=1756
+  _globals['_STOREREQUEST']._serialized_end=1900
+  _globals['_STOREREPLY']._serialized_start=1903
+  _globals['_STOREREPLY']._serialized_end=2040
+  _globals['_LOADREQUEST']._serialized_start=2042
+  _globals['_LOADREQUEST']._serialized_end=2146
+  _globals['_LOADREPLY']._serialized_start=2149
+  _globals['_LOADREPLY']._serialized_end=2300
+  _globals['_PREFETCHREQUEST']._serialized_start=2302
+  _globals['_PREFETCHREQUEST']._serialized_end=2383
+  _globals['_PREFETCHREPLY']._serialized_start=2385
+  _globals['_PREFETCHREPLY']._serialized_end=2493
+  _globals['_RETAINREQUEST']._serialized_start=2495
+  _globals['_RETAINREQUEST']._serialized_end=2595
+  _globals['_RETAINREPLY']._serialized_start=2597
+  _globals['_RETAINREPLY']._serialized_end=2629
+  _globals['_KVCACHE']._serialized_start=3096
+  _globals['_KVCACHE']._serialized_end=3591
 # @@protoc_insertion_point(module_scope)

@@ -210,20 +210,22 @@ class LookupReply(_message.Message):
     def __init__(self, prefix_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
 class ChannelRequest(_message.Message):
-    __slots__ = ("session_id", "namespace_id", "hashes", "block_ids", "call", "ttl_seconds")
+    __slots__ = ("session_id", "namespace_id", "hashes", "block_ids", "call", "ttl_seconds", "block_ids_le32")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     CALL_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_LE32_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     namespace_id: str
     hashes: bytes
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     call: ChannelCall
     ttl_seconds: float
-    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[str] = ..., hashes: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., call: _Optional[_Union[ChannelCall, str]] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+    block_ids_le32: bytes
+    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[str] = ..., hashes: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., call: _Optional[_Union[ChannelCall, str]] = ..., ttl_seconds: _Optional[float] = ..., block_ids_le32: _Optional[bytes] = ...) -> None: ...
 
 class ChannelReply(_message.Message):
     __slots__ = ("prefix_blocks", "tiers", "code", "message", "statuses", "deadlines", "messages")
