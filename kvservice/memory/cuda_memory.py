@@ -333,9 +333,20 @@ def host_runs(srcs: Sequence[torch.Tensor], row_bytes: int) -> list[tuple[int, i
     return runs
 
 
+# KVTUNE_ASYNC_IDS=0 (an A/B): the ids' copy from pageable memory, which torch follows with a wait for
+# the stream (the lane's kernel stream, behind the engine's event): the copy thread's launches stalled
+# there 0.28 ms a part on the H100 (the call timelines' gather.lane -> gather.ids).
+ASYNC_IDS = os.environ.get("KVTUNE_ASYNC_IDS", "1") == "1"
+
+
 def _device_ids(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
-    """Engine block ids as an int64 tensor on the device (one copy on the current stream)."""
-    return torch.from_numpy(np.asarray(block_ids, dtype=np.int64)).to(device)
+    """Engine block ids as an int64 tensor on the device, copied on the current stream without
+    waiting for it: through pinned memory (torch's caching host allocator keeps that block until the
+    copy has run), so the caller's next launches queue behind the copy instead of after a host sync."""
+    ids = torch.from_numpy(np.asarray(block_ids, dtype=np.int64))
+    if ASYNC_IDS:
+        return ids.pin_memory().to(device, non_blocking=True)
+    return ids.to(device)
 
 
 def _pinned(shape: tuple[int, int]) -> torch.Tensor:
