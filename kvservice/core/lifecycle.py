@@ -211,8 +211,9 @@ class Lifecycle:
 
     def release_unbuilt(self, r: Reservation) -> None:
         """The hashes of r whose entries were never built leave the index (they will not be stored)."""
-        self.unreserve(r, r.hashes[len(r.entries):])
-        r.hashes = r.hashes[:len(r.entries)]
+        if len(r.entries) < len(r.hashes):  # (all built, the usual end: no copy of the hashes' list)
+            self.unreserve(r, r.hashes[len(r.entries):])
+            r.hashes = r.hashes[:len(r.entries)]
 
     def finish(self, r: Reservation) -> None:
         """r's Store is over: its unbuilt hashes leave the index, its built entries not committed are
