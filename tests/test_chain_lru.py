@@ -92,3 +92,26 @@ def test_stamp_lru_keeps_its_stale_references_bounded_and_refuses_changes_mid_it
     lru.touch_present(hot[:1])
     with pytest.raises(RuntimeError):
         list(it)
+
+
+def test_stamp_lru_lets_go_of_entries_trimmed_off_the_front_of_a_group():
+    """Scenario: one Store's batch of 64 blocks is one group; the oldest 40 are evicted (discarded from
+    the front) while 24 of the group stay members. The evicted ones are no longer referenced by the
+    order (freed now, not when the last of their group goes), and the order and length still hold."""
+    import gc
+    import weakref
+
+    lru = StampLRU()
+    chain = [_Block() for _ in range(64)]
+    lru.add_new(chain)  # head first: the tail is the oldest
+    oldest = list(lru.oldest_first())
+    refs = [weakref.ref(e) for e in oldest[:40]]
+    lru.discard_many(oldest[:40])
+    keep = oldest[40:]
+    del chain, oldest
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert list(lru.oldest_first()) == keep and len(lru) == 24
+    lru.touch(keep[:1])
+    assert list(lru.oldest_first()) == keep[1:] + keep[:1]
+

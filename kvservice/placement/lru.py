@@ -72,6 +72,20 @@ class ChainLRU:
         return self._order.values()
 
 
+class _Gone:
+    """Stands in a StampLRU group for a reference trimmed off its front: never a valid position."""
+
+    __slots__ = ()
+    lru_pos = -1
+
+
+_GONE = _Gone()
+
+
+def _gone(n: int) -> list:
+    return [_GONE] * n
+
+
 # StampLRU rebuilds its groups once they hold more than STALE_RATIO references a member: a rebuild walks
 # every member, so it runs once per (STALE_RATIO - 1) x members refreshes. At 2 it took 8.5% of a Load's
 # bookkeeping (64 KiB x 32768, three such batches loaded in turn, CPU box); at 4 a third of that, for at
@@ -161,8 +175,13 @@ class StampLRU:
             while i < n and members[i].lru_pos != base + i:
                 i += 1
             if i < n:
-                self._refs -= i - g[2]
-                g[2] = i
+                if i > g[2]:
+                    self._refs -= i - g[2]
+                    # the stale front lets go of its entries now, not when the whole group has gone:
+                    # an evicted block's entry is freed as it leaves (its memory reused by the next
+                    # Store's entries), not with the rest of its Store's batch in one burst
+                    members[g[2]:i] = _gone(i - g[2])
+                    g[2] = i
                 break
             groups.popleft()
             self._refs -= n - g[2]
