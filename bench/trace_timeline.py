@@ -71,13 +71,22 @@ def main() -> None:
             for tag, ms in r:
                 order.setdefault(tag, ms)
         med = {tag: statistics.median([ms for r in steady for t, ms in r if t == tag]) for tag in order}
+        # each stage's own time in each call (from the stage just before it in that call's order): the
+        # medians of the first column come from different calls, so their differences can mislead
+        gaps: dict[str, list[float]] = collections.defaultdict(list)
+        for r in steady:
+            prev = 0.0
+            for tag, ms in sorted(r, key=lambda x: x[1]):
+                gaps[tag].append(ms - prev)
+                prev = ms
         first = dict(rows[0])
         print(f"\n### {kind} ({len(rows)} calls; median of {len(steady)} after the first {len(rows) - len(steady)})")
-        print("| stage | ms from start (median) | first call |")
-        print("| --- | ---: | ---: |")
+        print("| stage | ms from start (median) | ms from the stage before, in each call (median / max) | first call |")
+        print("| --- | ---: | ---: | ---: |")
         for tag in sorted(med, key=med.get):
             f = first.get(tag)
-            print(f"| {tag} | {med[tag]:.2f} | {'' if f is None else f'{f:.2f}'} |")
+            g = gaps[tag]
+            print(f"| {tag} | {med[tag]:.2f} | {statistics.median(g):.2f} / {max(g):.2f} | {'' if f is None else f'{f:.2f}'} |")
     if spills:
         print(spill_summary(a.file))
 
