@@ -114,10 +114,8 @@ def le32(block_ids: Sequence[int]) -> bytes:
         a = array("I", block_ids)
     except (OverflowError, TypeError) as e:
         raise ValueError(f"block ids must be integers in [0, 2**32): {e}") from None
-    if a.itemsize != 4:  # (no platform Python runs on has another size of C unsigned int)
-        a = array("L", block_ids)
-        if a.itemsize != 4:
-            raise ValueError("no 4-byte unsigned array type on this platform")
+    if a.itemsize != 4:  # C's unsigned int is 4 bytes on every platform CPython runs on
+        raise ValueError("array('I') is not 4 bytes a value on this platform")
     if sys.byteorder != "little":
         a.byteswap()
     return a.tobytes()

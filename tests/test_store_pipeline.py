@@ -150,21 +150,34 @@ async def _nothing_left_once_the_copies_end(cache, eng, gate, numbers: list[int]
     await restore_works(eng, numbers)
 
 
+async def _cancel_a_gated_store(cache, eng, gate, copies: int, what: str, after_cancel, in_flight=None) -> None:
+    """Store blocks 0-7 with the copies held at the gate, cancel the Store once `copies` copies are
+    inside (in_flight() checked just before), check after_cancel(), then that nothing of it is left
+    once the copies end (_nothing_left_once_the_copies_end)."""
+    try:
+        gate.open.clear()
+        task = asyncio.ensure_future(eng.store(list(range(8))))
+        await until(lambda: gate.inside >= copies, what)
+        if in_flight is not None:
+            in_flight()
+        await cancelled(task)
+        after_cancel()
+        await _nothing_left_once_the_copies_end(cache, eng, gate, list(range(8)))
+    finally:
+        gate.open.set()
+
+
 async def test_a_store_cancelled_in_its_second_part_rolls_back_every_part(tmp_path, parts_of, gated_gather):  # noqa: F811
     parts_of(2, depth=2)
     cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=16 * BLOCK)
     async with started_cache(cfg) as cache:
         async with engine_on(cache, 32) as eng:
-            try:
-                gated_gather.open.clear()
-                task = asyncio.ensure_future(eng.store(list(range(8))))
-                await until(lambda: gated_gather.inside >= 2, "two parts' copies in flight")
+            def in_flight() -> None:
                 assert cache.audit(idle=False) == []
-                await cancelled(task)
+
+            def after() -> None:
                 assert not [e for e in cache.tiers.index.values() if not e.ready], "half-made entries after the cancel"
-                await _nothing_left_once_the_copies_end(cache, eng, gated_gather, list(range(8)))
-            finally:
-                gated_gather.open.set()
+            await _cancel_a_gated_store(cache, eng, gated_gather, 2, "two parts' copies in flight", after, in_flight)
 
 
 async def test_a_part_that_does_not_fit_keeps_the_prefix(tmp_path, parts_of):
@@ -361,12 +374,6 @@ async def test_a_head_first_store_cancelled_before_its_rest_leaves_nothing(tmp_p
     cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=16 * BLOCK)
     async with started_cache(cfg) as cache:
         async with engine_on(cache, 32) as eng:
-            try:
-                gated_gather.open.clear()
-                task = asyncio.ensure_future(eng.store(list(range(8))))
-                await until(lambda: gated_gather.inside >= 1, "the first part's copy")
-                await cancelled(task)
+            def after() -> None:
                 assert not list(cache.tiers.index.values()), "the cancelled Store left entries or marks"
-                await _nothing_left_once_the_copies_end(cache, eng, gated_gather, list(range(8)))
-            finally:
-                gated_gather.open.set()
+            await _cancel_a_gated_store(cache, eng, gated_gather, 1, "the first part's copy", after)
