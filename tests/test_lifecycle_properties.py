@@ -9,6 +9,9 @@ closes between them. Checked against a small model:
   - after every step, once copy threads and disk I/O have settled: nothing reserved or half-made,
     nothing pinned, no lease without an open session, every book adds up (BlockCache.audit());
   - every block a Load reports LOADED has exactly the bytes stored under its hash;
+  - every Store and Load passes an answer hook (pipeline.Answer, as the frames channel does): what it
+    sends is what the call returns, every status final, and the call returns in the same event-loop
+    step (no await after its answer: it cannot be cancelled after it, nothing runs between);
   - with a disk tier under protect-unexpired, every block acknowledged as retained (a Store or a
     Retain answered a deadline) loads byte-exact until that deadline, or is reported FAILED.
 """
@@ -25,6 +28,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from kvservice.core import pipeline
 from kvservice.core.clock import FakeClock
 from kvservice.core.types import CacheError, ErrorCode, LoadStatus, StoreStatus
 from tests.corekit import Engine, Pool, content, h, small_config, started_cache
@@ -35,29 +39,85 @@ OPS = st.lists(st.tuples(st.sampled_from(["store", "store_ttl", "load", "prefetc
 TTL = 60.0
 
 
+class EarlyAnswer:
+    """A pipeline.Answer for one call, checked: what it sent (a copy of the statuses and the rest at
+    send time) must be what the call returns, and the call must have returned in the event-loop step
+    that sent it (a callback queued at send time runs after that step; check() marks the return)."""
+
+    def __init__(self) -> None:
+        self.sent: tuple | None = None
+        self.returned = False
+        self.late: list[str] = []
+        self.hook = pipeline.Answer(self._send)
+
+    @staticmethod
+    def _snapshot(results) -> tuple:
+        return (bytes(results.status), bytes(getattr(results, "tier", b"")), list(getattr(results, "deadline", None) or ()),
+                dict(results.messages))
+
+    def _send(self, results) -> None:
+        assert 0 not in results.status, "an answer with a block not answered"
+        self.sent = self._snapshot(results)
+        task = asyncio.current_task()
+
+        def after_this_step() -> None:
+            if not self.returned:
+                where = " <- ".join(f"{f.f_code.co_name}:{f.f_lineno}" for f in task.get_stack())
+                self.late.append(f"the call went on past an await after its answer was sent (at {where})")
+        asyncio.get_running_loop().call_soon(after_this_step)
+
+    def check(self, results) -> None:
+        """Call as soon as the call returned (no await before): its results against the answer."""
+        self.returned = True
+        if self.sent is not None:
+            assert self._snapshot(results) == self.sent, "the call returned other results than it answered"
+
+    def check_late(self) -> None:
+        """After the caller's next await: no call went on past its answer."""
+        assert not self.late, self.late
+
+
 class SlotSafeEngine(Engine):
     """Concurrent calls of one engine never share a pool slot, as an engine's must not (a Store's
     blocks stay unchanged until it returns, a Load's targets are its own): block i is always
     stored from slot i, with block i's bytes; each Load of a rule lands in a window of slots of
-    its own (LOAD_BASE + 4 x k), which no Store reads."""
+    its own (LOAD_BASE + 4 x k), which no Store reads. Every call passes an EarlyAnswer: checked
+    when the call returns, and a call cancelled after its answer was sent fails the test."""
 
     LOAD_BASE = 16
 
     def __init__(self, cache, pool) -> None:
         super().__init__(cache, pool)
         self._loads = 0
+        self.answers: list[EarlyAnswer] = []  # checked (check_late) by the machine after every step
 
     async def store(self, numbers: list[int], ttl: float = 0.0):
         for i in numbers:
             self.pool.write(i, content(i, self.pool.block_bytes))
-        return await self.cache.store(self.sid, [h(i) for i in numbers], list(numbers), ttl)
+        early = EarlyAnswer()
+        self.answers.append(early)
+        try:
+            res = await self.cache.store(self.sid, [h(i) for i in numbers], list(numbers), ttl, answer=early.hook)
+        except BaseException:
+            assert early.sent is None, "a Store that answered failed or was cancelled after it"
+            raise
+        early.check(res)
+        return res
 
     async def load(self, numbers: list[int]):
         base = self.LOAD_BASE + 4 * (self._loads % 4)
         self._loads += 1
         for k in range(len(numbers)):
             self.pool.write(base + k, bytes(self.pool.block_bytes))
-        res = await self.cache.load(self.sid, [h(i) for i in numbers], [base + k for k in range(len(numbers))])
+        early = EarlyAnswer()
+        self.answers.append(early)
+        try:
+            res = await self.cache.load(self.sid, [h(i) for i in numbers], [base + k for k in range(len(numbers))],
+                                        answer=early.hook)
+        except BaseException:
+            assert early.sent is None, "a Load that answered failed or was cancelled after it"
+            raise
+        early.check(res)
         for k, (i, r) in enumerate(zip(numbers, res)):
             if r.status == LoadStatus.LOADED:
                 assert self.pool.read(base + k) == content(i, self.pool.block_bytes), f"wrong bytes for block {i}"
@@ -216,6 +276,9 @@ class LifecycleMachine(RuleBasedStateMachine):
         if hasattr(self, "cache"):
             self.run(self._settle())
             assert self.cache.audit() == []
+            for early in self.eng.answers:
+                early.check_late()
+            self.eng.answers.clear()
 
     def teardown(self):
         if hasattr(self, "ctx"):

@@ -32,11 +32,13 @@ import logging
 import os
 import socket
 from collections import Counter
+from collections.abc import Callable
 
 from google.protobuf.message import DecodeError
 
 from kvservice.api import convert
 from kvservice.api.registration import UidPolicy
+from kvservice.core import pipeline
 from kvservice.core.cache import BlockCache
 from kvservice.core.types import CacheError, ErrorCode, SessionId
 from kvservice.ops.trace import TRACE
@@ -152,23 +154,39 @@ class LookupChannel:
             return _refusal("INTERNAL", f"internal error in Lookup: {type(e).__name__}: {e}")
         return convert.lookup_channel_reply(tiers)
 
-    async def answer_data(self, uid: int, request: kvcache_pb2.ChannelRequest) -> kvcache_pb2.ChannelReply:
+    async def answer_data(self, uid: int, request: kvcache_pb2.ChannelRequest,
+                          send: Callable[[kvcache_pb2.ChannelReply], None] | None = None
+                          ) -> kvcache_pb2.ChannelReply | None:
         """A Store or Load frame's answer: BlockCache.store / load as the servicer calls them. Cancelled
-        (the connection closed) at any await, the core rolls back what it reserved, as for gRPC."""
+        (the connection closed) at any await, the core rolls back what it reserved, as for gRPC.
+        send(reply): the answer, handed over from inside the core call as soon as every block's
+        status is final (pipeline.Answer: before the commit of a Store, the unpins of a Load); then
+        this returns None. Without send, or when the core found no such point, the answer is returned."""
         sid = SessionId(request.session_id)
         name = kvcache_pb2.ChannelCall.Name(request.call).capitalize()
+        store = request.call == kvcache_pb2.STORE
+        reply = convert.store_channel_reply if store else convert.load_channel_reply
+        early = pipeline.Answer(lambda results: send(reply(results))) if send is not None else None
         try:
             self._check_peer(uid, request.session_id)
             ids = convert.channel_block_ids(request)
-            if request.call == kvcache_pb2.STORE:
-                results = await self._cache.store(sid, request.hashes, ids, request.ttl_seconds, request.namespace_id)
-                return convert.store_channel_reply(results)
-            loaded = await self._cache.load(sid, request.hashes, ids, request.namespace_id)
-            return convert.load_channel_reply(loaded)
+            if store:
+                results = await self._cache.store(sid, request.hashes, ids, request.ttl_seconds, request.namespace_id,
+                                                  answer=early)
+            else:
+                results = await self._cache.load(sid, request.hashes, ids, request.namespace_id, answer=early)
+            return None if early is not None and early.sent else reply(results)
         except CacheError as e:
+            if early is not None and early.sent:  # cannot happen: a refusal comes before any block is answered
+                log.error("%s (frames channel) refused after it was answered: %s", name, e.message)
+                return None
             return _refusal(e.code.value, e.message)
         except Exception as e:
-            log.exception("%s (frames channel) failed", name)
+            log.exception("%s (frames channel) failed%s", name,
+                          " after its answer was sent (a core bug: the bookkeeping after the copies)"
+                          if early is not None and early.sent else "")
+            if early is not None and early.sent:
+                return None
             return _refusal("INTERNAL", f"internal error in {name}: {type(e).__name__}: {e}")
 
 
@@ -273,7 +291,7 @@ class _Connection(asyncio.Protocol):
             else:
                 # read on while it runs: a client that hangs up is seen at once (and its call cancelled)
                 TRACE.mark(0, "channel.received")
-                self._task = asyncio.get_running_loop().create_task(ch.answer_data(self._uid, request))
+                self._task = asyncio.get_running_loop().create_task(ch.answer_data(self._uid, request, self._send))
                 self._task.add_done_callback(self._answered)
                 break
         if pos < end:
@@ -281,13 +299,24 @@ class _Connection(asyncio.Protocol):
         if out:
             self._write(out)
 
+    def _send(self, reply: kvcache_pb2.ChannelReply) -> None:
+        """The running call's answer, sent from inside it (answer_data's send): the frames behind it
+        are still served only once the call is over (_answered)."""
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return  # the connection closed: nobody to answer (the call is being cancelled)
+        self._write([frame(reply.SerializeToString())])
+        TRACE.mark(0, "channel.sent")
+
     def _answered(self, task: asyncio.Task) -> None:
         self._task = None
         transport = self._transport
         if task.cancelled() or transport is None or transport.is_closing():
             return  # the connection closed: nobody to answer
-        self._write([frame(task.result().SerializeToString())])
-        TRACE.mark(0, "channel.sent")
+        reply = task.result()
+        if reply is not None:  # None: sent from inside the call already (_send)
+            self._write([frame(reply.SerializeToString())])
+            TRACE.mark(0, "channel.sent")
         if not self._writes_paused:
             transport.resume_reading()
         if self._buf:

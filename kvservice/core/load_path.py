@@ -14,7 +14,7 @@ import asyncio
 import functools
 import operator
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -36,12 +36,15 @@ class LoadPath:
     self._session(), self._hashes(), self._block_ids()."""
 
     async def load(self, session_id: SessionId, hashes: bytes | Sequence[bytes], block_ids: Sequence[int],
-                   namespace_id: str = "") -> LoadResults:
+                   namespace_id: str = "", answer: pipeline.Answer | None = None) -> LoadResults:
         """Fill engine blocks block_ids[i] with the blocks stored as hashes[i]; returns once they landed.
         A large Load (more than 2 x pipeline.PIPELINE_BLOCKS) goes in parts while its blocks are ready
         host hits: each part looked up, pinned and handed to a copy thread in turn, the next part's
         lookup beside the copies in flight (_load_host_parts); whatever follows the first part that is
-        not all host hits goes the general way (_load_found), as one batch."""
+        not all host hits goes the general way (_load_found), as one batch.
+        answer: called with the results once the last copy has landed and every status is final,
+        before the pins and the LRU refresh that follow (no await from there to the return;
+        pipeline.Answer)."""
         t0 = time.perf_counter()
         s = self._session(session_id, namespace_id)
         hs = self._hashes(hashes)
@@ -50,13 +53,18 @@ class LoadPath:
         results = LoadResults(len(hs))
         done, head = 0, []
         if pipeline.in_parts(len(hs), s.block_bytes, pipeline.LOAD_FIRST_BYTES):
-            done, head = await self._load_host_parts(s, hs, ids, call)
+            def all_copied() -> None:  # every block served by the parts: final before their last bookkeeping
+                self._answer_loaded(results, len(hs))
+                if answer is not None:
+                    answer(results)
+            done, head = await self._load_host_parts(s, hs, ids, call, all_copied)
             if done:
                 self._answer_loaded(results, done)
                 self.stats.bump(s.namespace, "loads_host", done)
         if done < len(hs):
             rest = results if not done else LoadResults(len(hs) - done)
-            await self._load_found(s, hs[done:] if done else hs, ids[done:] if done else ids, rest, call)
+            await self._load_found(s, hs[done:] if done else hs, ids[done:] if done else ids, rest, call,
+                                   None if done else answer)
             if done:
                 results.status[done:], results.tier[done:] = rest.status, rest.tier
                 results.messages.update((done + i, m) for i, m in rest.messages.items())
@@ -69,9 +77,10 @@ class LoadPath:
         return results
 
     async def _load_found(self, s: Session, hs: list[bytes], ids: list[int], results: LoadResults,
-                          call: int = 0) -> None:
+                          call: int = 0, answer: pipeline.Answer | None = None) -> None:
         """Load hs into ids as one batch (results: theirs, in order): pin what is found; host hits
-        and disk blocks (_collect_bytes) copied with one job; MISSING / FAILED for the rest."""
+        and disk blocks (_collect_bytes) copied with one job; MISSING / FAILED for the rest.
+        answer: called once the statuses are final, before the pins and LRU refresh."""
         t = self._t
         life = t.life
         on_disk_state = DiskState.ON_DISK
@@ -112,6 +121,8 @@ class LoadPath:
                     i = pos[k]
                     status[i] = loaded
                     tiers[i] = tiers_of[k]
+            if answer is not None:  # the engine reads its reply while the rest is done (no await from here on)
+                answer(results)
             chain = [found[k] for k in served] if len(served) < len(found) else found
             life.loaded(s.id, chain)
             if len(served) - disk_loads:
@@ -127,8 +138,8 @@ class LoadPath:
                 life.unpin(found)
             raise
 
-    async def _load_host_parts(self, s: Session, hs: list[bytes], ids: list[int], call: int = 0
-                               ) -> tuple[int, list[Entry]]:
+    async def _load_host_parts(self, s: Session, hs: list[bytes], ids: list[int], call: int = 0,
+                               all_copied: Callable[[], None] | None = None) -> tuple[int, list[Entry]]:
         """Load the head of a large batch from the host tier in parts (pipeline.parts), while each
         part is all ready host hits: a part is looked up, pinned and handed to a copy thread with no
         await between, the next one's lookup and the finished ones' bookkeeping (reuse, leases used,
@@ -137,7 +148,8 @@ class LoadPath:
         pinned) and their entries. The first part that is not stays unpinned and untouched: the
         caller loads it and the rest as one batch. Every pin is dropped: a part's when its copy has ended (also when
         the call is cancelled or a copy fails). The served chain is refreshed head newest, once
-        every part is handed over (beside the last copies)."""
+        every part is handed over (beside the last copies). all_copied(): called once the last copy of
+        a batch served whole by the parts has landed, before that part's bookkeeping."""
         t = self._t
         life = t.life
         get = t.index.namespace(s.namespace).get
@@ -173,12 +185,12 @@ class LoadPath:
                 if hi == n:  # the whole batch handed over: its chain refreshed while the last two parts copy
                     touch_served()  # (after the wait below, the device would sit idle through it: 2.6 ms of 32768 blocks on the H100)
                 while len(jobs) - done >= pipeline.PIPELINE_DEPTH:
-                    await self._settle_part(s, jobs[done], call)
+                    await self._settle_part(s, jobs[done], call, all_copied if served == n and done == len(jobs) - 1 else None)
                     done += 1
             if served and not chain:  # a part that was not all host hits ended the loop: the head served so far
                 touch_served()
             while done < len(jobs):
-                await self._settle_part(s, jobs[done], call)
+                await self._settle_part(s, jobs[done], call, all_copied if served == n and done == len(jobs) - 1 else None)
                 done += 1
         except BaseException:
             for fut, part in jobs[done:]:  # each part's pins go once its copy thread is done with them
@@ -186,13 +198,16 @@ class LoadPath:
             raise
         return served, chain
 
-    async def _settle_part(self, s: Session, job: tuple[asyncio.Future, list[Entry]], call: int) -> None:
-        """A part of _load_host_parts: its copy's end awaited, then its blocks' reuse and leases
-        counted and their pins dropped (a failure raises before: the caller drops the pins once the
-        copy thread is done)."""
+    async def _settle_part(self, s: Session, job: tuple[asyncio.Future, list[Entry]], call: int,
+                           landed: Callable[[], None] | None = None) -> None:
+        """A part of _load_host_parts: its copy's end awaited, then landed() (if any), then its
+        blocks' reuse and leases counted and their pins dropped (a failure raises before: the caller
+        drops the pins once the copy thread is done)."""
         fut, part = job
         await asyncio.shield(fut)
         TRACE.mark(call, "copied")
+        if landed is not None:
+            landed()
         life = self._t.life
         life.loaded(s.id, part)
         life.unpin(part)

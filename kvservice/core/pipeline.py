@@ -5,6 +5,7 @@ the rules every call that hands work to a copy thread keeps:
   in_parts(n, ...)                whether that is more than one part
   when_copy_ends(fut, fn)         fn once an abandoned copy's thread is done with its memory
   fail_unanswered(results, code)  a block left without a status is reported failed, never success
+  Answer(send)                    a caller's hook: a call's results sent as soon as they are final
 """
 
 from __future__ import annotations
@@ -116,6 +117,35 @@ def enqueued_signal(loop: asyncio.AbstractEventLoop) -> tuple[asyncio.Future, Ca
         except RuntimeError:  # the loop is closed
             pass
     return fut, signal
+
+
+# A Store or Load whose caller passes an Answer (the frames channel) is answered as soon as every block
+# has its final status, before the bookkeeping that cannot change it (a Store's commit, a Load's unpins
+# and LRU refresh): the engine reads its reply while the daemon does that. KVTUNE_EARLY_ANSWER=0: answered
+# after it, as the gRPC servicer does (an A/B).
+EARLY_ANSWER = os.environ.get("KVTUNE_EARLY_ANSWER", "1") != "0"
+
+
+class Answer:
+    """A caller's hook, given to BlockCache.store / load: send(results) runs at most once, on the loop,
+    from inside the call, once every block has its final status (no status byte 0). The core calls
+    it only where nothing that follows in the call can change a status, and with no await between it
+    and the call's return: a request that arrives once the answer is out (the engine's next one, on any
+    connection) is served after the call's bookkeeping, so it sees what the answer says. The call
+    still returns the same results; `sent` tells the caller whether it has been answered already.
+    If send raises, nothing was sent: the exception goes up through the call as any other would."""
+
+    __slots__ = ("_send", "sent")
+
+    def __init__(self, send: Callable[[StoreResults | LoadResults], None]) -> None:
+        self._send = send
+        self.sent = False
+
+    def __call__(self, results: StoreResults | LoadResults) -> None:
+        if self.sent or not EARLY_ANSWER or 0 in results.status:
+            return
+        self._send(results)
+        self.sent = True
 
 
 def fail_unanswered(results: StoreResults | LoadResults, failed: int) -> None:

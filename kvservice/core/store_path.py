@@ -33,11 +33,14 @@ class StorePath:
     self._session(), self._hashes(), self._block_ids()."""
 
     async def store(self, session_id: SessionId, hashes: bytes | Sequence[bytes], block_ids: Sequence[int],
-                    ttl_seconds: float = 0.0, namespace_id: str = "") -> StoreResults:
+                    ttl_seconds: float = 0.0, namespace_id: str = "",
+                    answer: pipeline.Answer | None = None) -> StoreResults:
         """Store engine blocks block_ids[i] as hashes[i] (a chain segment, head first). Validate,
         plan (no await), copy (one job per chunk), commit, each one pass over the batch. Every
         reservation the plan makes - index entries that are not ready, host slots - is rolled back
-        (lifecycle.Lifecycle.rollback) if the call fails or is cancelled at any await."""
+        (lifecycle.Lifecycle.rollback) if the call fails or is cancelled at any await.
+        answer: called with the results once the last copy has landed and every status is final,
+        right before the commit (no await from there to the return; pipeline.Answer)."""
         t0 = time.perf_counter()
         s = self._session(session_id, namespace_id)
         hs = self._hashes(hashes)
@@ -52,11 +55,11 @@ class StorePath:
         taken = 0  # hs[:taken] answered by the head-first path
         pre = None
         if head:
-            first, taken, pre = await self._store_head_first(s, hs, ids, head, ttl, now, results, call)
+            first, taken, pre = await self._store_head_first(s, hs, ids, head, ttl, now, results, call, answer)
         if taken < len(hs):
             rest = results if not taken else StoreResults(len(hs) - taken)
             e = await self._store_batch(s, hs[taken:] if taken else hs, ids[taken:] if taken else ids, ttl, now,
-                                        rest, call, pre)
+                                        rest, call, pre, None if taken else answer)
             if taken:
                 results.merge(rest, taken)
                 # the head, stored first, is the chain's newest again (its tail goes first, as in one Store)
@@ -81,7 +84,7 @@ class StorePath:
         return pipeline.parts(n, size, pipeline.STORE_FIRST_BYTES, pipeline.STORE_GROW)[0][1]
 
     async def _store_head_first(self, s: Session, hs: list[bytes], ids: list[int], head: int, ttl: float,
-                                now: float, results: StoreResults, call: int
+                                now: float, results: StoreResults, call: int, answer: pipeline.Answer | None = None
                                 ) -> tuple[Entry | None, int, tuple[Reservation, list[Entry], int] | None]:
         """A large Store whose first part (hs[:head]) is all new: reserved, planned and copied before
         the rest is reserved; each later part's hashes are reserved just before that part's plan,
@@ -114,14 +117,15 @@ class StorePath:
             taken = lo
             return False
         try:
-            await self._store_new(s, list(range(n)), res, ids, ttl, now, results, call, reserve_part)
+            await self._store_new(s, list(range(n)), res, ids, ttl, now, results, call, reserve_part, answer)
         finally:
             life.finish(res)
         return (res.entries[0] if res.entries else None), taken, None
 
     async def _store_batch(self, s: Session, hs: list[bytes], ids: list[int], ttl: float, now: float,
                            results: StoreResults, call: int,
-                           pre: tuple[Reservation, list[Entry], int] | None = None) -> Entry | None:
+                           pre: tuple[Reservation, list[Entry], int] | None = None,
+                           answer: pipeline.Answer | None = None) -> Entry | None:
         """Store hs as one batch (the general path: hits, hashes twice, another Store's, new blocks):
         reserve and look up all of it in one pass, then answer hits, store the new blocks, and answer
         the hits that waited for another Store. pre: go on from the reservation of its head that
@@ -166,7 +170,7 @@ class StorePath:
             pending = await self._store_hits(touched, ttl, now, results) if touched else []
             if res is not None:
                 await self._store_new(s, new_pos, res, ids if len(new_pos) == len(ids) else [ids[i] for i in new_pos],
-                                      ttl, now, results, call)
+                                      ttl, now, results, call, answer=answer)
                 life.finish(res)  # our own hashes twice in the batch (pending) wait for this
             if pending:  # after our own blocks: two Stores that wait for each other's both commit first
                 await self._store_pending(pending, hs, blocks, ttl, now, results)
@@ -236,16 +240,18 @@ class StorePath:
 
     async def _store_new(self, s: Session, pos: list[int], res: Reservation, bids: list[int], ttl: float,
                          now: float, results: StoreResults, call: int = 0,
-                         reserve_part: Callable[[int, int], bool] | None = None) -> None:
+                         reserve_part: Callable[[int, int], bool] | None = None,
+                         answer: pipeline.Answer | None = None) -> None:
         """Copy new blocks in, head first, in chunks the host tier can hold: a batch larger than
         the host tier streams through it (earlier chunks spill as later ones arrive).
-        reserve_part: see _store_chunk (a batch of one chunk only)."""
+        reserve_part: see _store_chunk (a batch of one chunk only). answer: given to the last chunk."""
         t = self._t
         chunk = self._chunk_blocks(s.block_bytes)
         n = len(res)
         for lo in range(0, n, chunk):
             hi = lo + chunk
-            stored = await self._store_chunk(s, pos[lo:hi], res, bids[lo:hi], ttl, now, results, call, reserve_part)
+            stored = await self._store_chunk(s, pos[lo:hi], res, bids[lo:hi], ttl, now, results, call, reserve_part,
+                                             answer if hi >= n else None)
             if not stored:
                 t.life.release_unbuilt(res)
                 for i in pos[hi:]:
@@ -259,7 +265,8 @@ class StorePath:
 
     async def _store_chunk(self, s: Session, pos: list[int], res: Reservation, bids: list[int], ttl: float,
                            now: float, results: StoreResults, call: int = 0,
-                           reserve_part: Callable[[int, int], bool] | None = None) -> bool:
+                           reserve_part: Callable[[int, int], bool] | None = None,
+                           answer: pipeline.Answer | None = None) -> bool:
         """Store what fits of one chunk (the next len(pos) hashes of res); False when some of it did
         not fit. Plan (evict, no await), wait for the spills that make the room, take slots, build the
         reserved entries (Lifecycle.build) and place the slots on them, copy
@@ -273,7 +280,10 @@ class StorePath:
         Its blocks are still committed together at the end, as one chain.
         reserve_part(lo, hi) (_store_head_first's): called before each part after the first, to hold
         that part's hashes (the first part's are held already); False means they are not all new: the
-        chunk ends before that part (its blocks and the later ones were never built)."""
+        chunk ends before that part (its blocks and the later ones were never built).
+        answer (the call's last chunk): called once the copies have landed, before the commit, when the
+        statuses are final then (no retention asked; a part given back by reserve_part leaves some
+        unanswered: pipeline.Answer sends nothing then)."""
         t = self._t
         life = t.life
         n = len(pos)
@@ -333,16 +343,19 @@ class StorePath:
                 raise
             waited += 1
         placed = res.entries[first:first + placed_n]
-        life.commit(placed, sums, res)
-        TRACE.mark(call, "committed")
-        self.stats.bump(s.namespace, "stores", placed_n)
-        status = results.status
-        if not ttl:
+        if not ttl:  # the statuses first: final now, whatever the bookkeeping below does (it cannot fail them)
+            status = results.status
             if pos[placed_n - 1] - pos[0] == placed_n - 1:  # positions ascending: a contiguous run, one slice
                 status[pos[0]:pos[0] + placed_n] = _STORED * placed_n
             else:
                 for i in pos[:placed_n]:
                     status[i] = StoreStatus.STORED
+            if answer is not None:  # the engine reads its reply while this commits (no await from here on)
+                answer(results)
+        life.commit(placed, sums, res)
+        TRACE.mark(call, "committed")
+        self.stats.bump(s.namespace, "stores", placed_n)
+        if not ttl:
             return placed_n == n
         for i, e in zip(pos, placed):
             self._retain_one(e, ttl, now, StoreStatus.STORED, results, i)  # new: nothing on disk to persist
