@@ -269,9 +269,12 @@ class HostRoom:
                 self.stats.bump(ns, "drops_no_disk" if no_disk else "drops_gate", k)
             for ns, k in (dropped + _count_namespaces(release) if release else dropped).items():
                 self.stats.bump(ns, "host_evictions", k)
-            self.life.evict_many(release + drop if release else drop, plain=plain)
-            if drop:
-                self.life.forget_many(drop)
+            if no_disk and plain:  # the usual batch with no disk tier: one pass
+                self.life.drop_plain(drop)
+            else:
+                self.life.evict_many(release + drop if release else drop, plain=plain)
+                if drop:
+                    self.life.forget_many(drop)
         return self._spill_victims(rest, now)
 
     def _spill_victims(self, victims: list[Entry], now: float) -> list[Entry]:

@@ -475,6 +475,46 @@ class Lifecycle:
             self._left_host_plain(plain, size)
             self._wake_and_promote(plain)
 
+    def drop_plain(self, entries: Sequence[Entry]) -> None:
+        """evict_many(entries, plain=True), then forget_many(entries), in one pass over them: RESIDENT
+        -> (absent) for victims with no disk copy and no disk tier to spill to (make_host_room's
+        usual batch when there is none: unpinned, resident, of one size, members of the LRU). Each
+        entry is touched once (LRU position, slot, index key) where the two calls walk the batch five
+        times (~1 us a block of an evicting 64 KiB Store on the CPU box, ~a third of its loop time)."""
+        if not entries:
+            return
+        assert self.disk is None, "drop_plain is for a host tier with no disk tier"
+        host = self.host
+        size = entries[0].size
+        counts = host.counts
+        leased, retained = counts.leased.live, counts.retained.live
+        free: list[int] = []
+        add = free.append
+        marked: list[Entry] = []  # retained or once leased: their books, after the pass
+        for e in entries:  # a plain loop: faster than map(attrgetter) on slotted entries
+            e.lru_pos = 0
+            add(e.slot)
+            e.slot = -1
+            if e.deadline or e.lease_until:
+                marked.append(e)
+        host.lru_discarded(len(entries))
+        host.arena.free(free, size)
+        host.used_bytes -= len(free) * size
+        for e in marked:
+            if e.lease_until:
+                leased.pop(id(e), None)
+            if e.deadline:
+                retained.pop(id(e), None)
+                self.retention.forget(e)
+        ns = entries[0].namespace
+        if countOf(map(_namespace_of, entries), ns) == len(entries):  # (the usual batch: one namespace)
+            self.ns_counts.host(ns, -len(entries), -len(entries) * size)
+        else:
+            for ns, k in Counter(map(_namespace_of, entries)).items():
+                self.ns_counts.host(ns, -k, -k * size)
+        self._wake_and_promote(entries)
+        self.index.remove_many(entries)
+
     def restore(self, e: Entry) -> bool:
         """SPILLING -> RESIDENT with the slot it kept (its spill failed); False: no room for it."""
         host = self.host

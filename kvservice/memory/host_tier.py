@@ -110,6 +110,10 @@ class HostTier:
     def lru_discard_many(self, entries: Sequence[Entry]) -> None:
         self._lru.discard_many(entries)
 
+    def lru_discarded(self, n: int) -> None:
+        """n members left the LRU, their lru_pos zeroed by the caller (StampLRU.discarded)."""
+        self._lru.discarded(n)
+
     def touch(self, chain: Sequence[Entry]) -> None:
         self._lru.touch_present(chain)
 

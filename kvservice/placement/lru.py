@@ -165,6 +165,14 @@ class StampLRU:
             self._version += 1
             self._trim()
 
+    def discarded(self, n: int) -> None:
+        """n members left whose lru_pos the caller has set to 0 itself (in a pass of its own over
+        them, Lifecycle.drop_plain): discard_many's books without a second walk."""
+        if n:
+            self._count -= n
+            self._version += 1
+            self._trim()
+
     def _trim(self) -> None:
         """Drop the stale references at the front (the oldest went first: eviction's usual case)."""
         groups = self._groups
