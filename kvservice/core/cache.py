@@ -97,6 +97,9 @@ class BlockCache(StorePath, LoadPath, PrefetchPath):
         for ns_id, size in sizes.items():
             self.namespaces.known_from_disk(ns_id, size)
         self.tiers.start()
+        # a fresh daemon's first Stores take new entries built now, as the later ones take those
+        # built after the Store before them (Lifecycle.blanks)
+        self.tiers.life.blanks.refill()
         return recovered
 
     async def drain_and_stop(self) -> None:

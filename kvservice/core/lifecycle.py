@@ -56,7 +56,7 @@ from kvservice.disk.disk_tier import DiskTier
 from kvservice.memory.host_tier import HostTier
 from kvservice.placement.index import DiskState
 from kvservice.ops.stats import CounterSet
-from kvservice.placement.index import BlockIndex, Entry, reserved_entries, reserved_entry
+from kvservice.placement.index import BlankEntries, BlockIndex, Entry, reserved_entries, reserved_entry
 from kvservice.placement.retention import Retention
 from kvservice.placement.tier_counts import NamespaceCounts, TierCounts
 from kvservice.core.types import BlockHash, NamespaceId, SessionId
@@ -65,7 +65,7 @@ from kvservice.core.types import BlockHash, NamespaceId, SessionId
 _ENTRY_FIELDS = ("namespace", "hash", "size", "checksum", "stored_at", "deadline", "reuse", "slot", "spilling", "staged",
                  "release_pending", "disk", "disk_path", "disk_loc", "disk_deadline", "pins", "lease_until",
                  "lease_owner", "ready", "lru_pos")
-assert tuple(Entry.__dataclass_fields__) == _ENTRY_FIELDS, "index.reserved_entries sets every field of Entry"
+assert tuple(Entry.__dataclass_fields__) == _ENTRY_FIELDS, "index.reserved_entries / _blank_entries set every field of Entry"
 
 
 def in_host_tier(e: Entry) -> bool:
@@ -132,8 +132,9 @@ class Lifecycle:
     transitions; HostTier and DiskTier are the room and order books they update."""
 
     def __init__(self, index: BlockIndex, host: HostTier, retention: Retention, stats: CounterSet,
-                 disk: DiskTier | None = None) -> None:
+                 disk: DiskTier | None = None, blank_limit: int = 0) -> None:
         self.index = index
+        self.blanks = BlankEntries(blank_limit)  # new entries built ahead of the Stores (refill_blanks)
         self.host = host
         self.disk = disk  # the disk copy's room and order book (None: no disk tier)
         self.retention = retention
@@ -156,7 +157,7 @@ class Lifecycle:
         hash sees them); each holds one pin, the reserving call's, until commit or rollback. The
         hashes are not in `blocks`; None (nothing reserved) when one of them is there twice: the
         dict grew by fewer than len(hashes), which costs nothing to see (no set of the batch)."""
-        entries = reserved_entries(ns, hashes, size, now)
+        entries = reserved_entries(ns, hashes, size, now, self.blanks)
         before = len(blocks)
         blocks.update(zip(hashes, entries))
         if len(blocks) - before < len(entries):
@@ -204,7 +205,7 @@ class Lifecycle:
         indexed in place of the mark."""
         lo = len(r.entries)
         hashes = r.hashes[lo:lo + k]
-        entries = reserved_entries(r.ns, hashes, r.size, r.now)
+        entries = reserved_entries(r.ns, hashes, r.size, r.now, self.blanks)
         r.blocks.update(zip(hashes, entries))
         r.entries += entries
         return entries

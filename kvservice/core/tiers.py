@@ -49,6 +49,10 @@ log = logging.getLogger(__name__)
 SPILL_BATCH_BYTES = int(os.environ.get("KVTUNE_SPILL_BATCH_MIB", "32")) << 20
 
 
+# the most new entries built ahead (BlankEntries): ~12 MiB of fixed overhead at 65536
+BLANK_ENTRIES_MAX = 65536
+
+
 class Tiers(HostRoom, SpillJobs, ReadJobs):
     def __init__(self, config: Config, io: BlockIO, stats: CounterSet, clock_now, arena: HostArena) -> None:
         self.config = config
@@ -64,7 +68,9 @@ class Tiers(HostRoom, SpillJobs, ReadJobs):
         self._arena_bytes: np.ndarray | None = None  # the arena as numpy (HostSlots' base), made on first use
         self.recovered_sizes: dict[NamespaceId, int] = {}  # recover(): block size of each namespace found on disk
         self.retention = Retention(config.max_ttl_seconds, config.retained_cap_bytes)
-        self.life = Lifecycle(self.index, self.host, self.retention, stats, self.disk)  # every block state change
+        # every block state change; new entries built ahead for Stores of up to max_batch_blocks (at most 65536)
+        self.life = Lifecycle(self.index, self.host, self.retention, stats, self.disk,
+                              blank_limit=min(config.max_batch_blocks, BLANK_ENTRIES_MAX))
         self.gate = admission_gate(config)
         self.reader_pool = ThreadPoolExecutor(config.reader_threads, thread_name_prefix="kv-read")
         self.writer_pool = ThreadPoolExecutor(config.writer_threads, thread_name_prefix="kv-write")
