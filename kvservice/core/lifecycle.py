@@ -134,7 +134,8 @@ class Lifecycle:
     def __init__(self, index: BlockIndex, host: HostTier, retention: Retention, stats: CounterSet,
                  disk: DiskTier | None = None, blank_limit: int = 0) -> None:
         self.index = index
-        self.blanks = BlankEntries(blank_limit)  # new entries built ahead of the Stores (refill_blanks)
+        self.blanks = BlankEntries(blank_limit)  # new entries built ahead of the Stores (after_answer)
+        self._dropped: list[Sequence[Entry]] = []  # batches drop_plain let go of: freed in after_answer
         self.host = host
         self.disk = disk  # the disk copy's room and order book (None: no disk tier)
         self.retention = retention
@@ -515,6 +516,14 @@ class Lifecycle:
                 self.ns_counts.host(ns, -k, -k * size)
         self._wake_and_promote(entries)
         self.index.remove_many(entries)
+        self._dropped.append(entries)  # their memory is freed after the answer (after_answer), not before the copy
+
+    def after_answer(self) -> None:
+        """A call has been answered (BlockCache.store's end): the work kept off its answer's way now -
+        the entries its evictions let go of are freed (~0.15 us a block: the entry and its hash), and
+        new blank entries are built for the next Store (BlankEntries.refill)."""
+        self._dropped.clear()
+        self.blanks.refill()
 
     def restore(self, e: Entry) -> bool:
         """SPILLING -> RESIDENT with the slot it kept (its spill failed); False: no room for it."""

@@ -70,9 +70,9 @@ class StorePath:
             log.info("namespace %s: hash canary fixed by session %s, its first store", s.namespace, s.label)
         self._store_latency.observe(time.perf_counter() - t0)
         pipeline.fail_unanswered(results, StoreStatus.FAILED)
-        # the next Store's new entries, built now: after the answer on the frames channel (the engine
-        # reads it meanwhile); on gRPC, what this Store's build saved
-        self._t.life.blanks.refill()
+        # after the answer on the frames channel (the engine reads it meanwhile): the evicted entries
+        # freed, the next Store's new entries built; on gRPC, what this Store's plan saved
+        self._t.life.after_answer()
         TRACE.mark(call, "end")
         return results
 
