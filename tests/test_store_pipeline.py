@@ -9,7 +9,7 @@ two blocks, so the small batches of the tests take that path:
     and the same hashes store again;
   - a part that does not fit (pinned tier) answers NOT_STORED for the rest of the chunk and keeps
     the prefix stored;
-  - a hash whose entry is not built yet (held by the Store's mark) is not stored for Lookup and
+  - a hash a Store has reserved but not placed yet (a RESERVED entry) is not stored for Lookup and
     Load, and another Store of it waits for the first one: ALREADY_STORED once it committed,
     NOT_STORED if it was cancelled; a hash twice in one Store in parts is stored once.
 """
@@ -25,7 +25,6 @@ from hypothesis.stateful import run_state_machine_as_test
 
 import kvservice.core.cache as cache_mod
 import kvservice.core.pipeline as pipeline_mod
-from kvservice.core.lifecycle import is_mark
 from kvservice.core.types import LoadStatus, StoreStatus
 from tests.corekit import BLOCK, engine_on, h, small_config, started_cache
 from tests.test_lifecycle_properties import LifecycleMachine
@@ -201,12 +200,13 @@ async def test_a_part_that_does_not_fit_keeps_the_prefix(tmp_path, parts_of):
 
 async def _hold_a_store_in_its_first_part(cache, eng, gate, numbers):
     """Start eng.store(numbers) in parts of 2 and hold it while its first part copies: its later
-    hashes are reserved (the Store's mark) but their entries not built yet."""
+    hashes are reserved (RESERVED entries, not ready) but not placed yet."""
     gate.open.clear()
     task = asyncio.ensure_future(eng.store(numbers))
     await until(lambda: gate.inside >= 1, "the first part's copy")
     d = cache.tiers.index.namespace(cache._sessions.get(eng.sid).namespace)
-    assert is_mark(d[h(numbers[-1])]), "the last hash should still be held by the Store's mark"
+    held = d[h(numbers[-1])]
+    assert not held.ready and held.slot < 0, "the last hash should be reserved by the Store, not placed yet"
     return task
 
 
@@ -256,7 +256,7 @@ async def test_a_hash_held_by_a_cancelled_store_is_not_acknowledged(tmp_path, pa
                 await cancelled(task)
                 rs = await other
                 assert [r.status for r in rs] == [StoreStatus.NOT_STORED] and "did not complete" in rs[0].message
-                assert not list(cache.tiers.index.values()), "the cancelled Store left entries or marks"
+                assert not list(cache.tiers.index.values()), "the cancelled Store left entries"
                 gated_gather.open.set()
                 await until(lambda: gated_gather.inside == 0, "the copy to end")
                 await asyncio.sleep(0.05)
@@ -369,11 +369,11 @@ async def test_a_rest_hash_another_store_took_first_waits_for_it(tmp_path, head_
 
 
 async def test_a_head_first_store_cancelled_before_its_rest_leaves_nothing(tmp_path, head_first, gated_gather):  # noqa: F811
-    """Cancelled while its first part copies (the rest reserved or not): no entry, mark, room or pin
+    """Cancelled while its first part copies (the rest reserved or not): no entry, room or pin
     is left once the copy thread is done, and the same blocks store again."""
     cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=16 * BLOCK)
     async with started_cache(cfg) as cache:
         async with engine_on(cache, 32) as eng:
             def after() -> None:
-                assert not list(cache.tiers.index.values()), "the cancelled Store left entries or marks"
+                assert not list(cache.tiers.index.values()), "the cancelled Store left entries"
             await _cancel_a_gated_store(cache, eng, gated_gather, 1, "the first part's copy", after)

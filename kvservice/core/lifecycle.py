@@ -6,11 +6,12 @@
     rollback: a Store cancelled at any await, a dead client, a failed copy, no room. An ABORTED entry is
     out of the index at once (the hash can be stored again); its slot stays taken, on the host tier's
     room, until the copy thread that writes into it is done (its pin), then goes back to the arena.
-    A Store holds all its new hashes from the start (reserve_found: each maps to the Store's one
-    `mark`, a not-ready Entry without a hash) and builds their RESERVED entries part by part (build),
-    each part's beside the copy of the part before; finish() drops the hashes never built. A large
-    Store holds its first part's hashes first and each later part's just before that part's plan
-    (reserve_more, checked with no await between; unreserve if that part is not all new).
+    A Store holds all its new hashes from the start (reserve_found: each maps to a RESERVED entry of
+    its own, taken from the blank entries built ahead, BlankEntries) and hands them their slots part
+    by part (build), each part's beside the copy of the part before; finish() rolls back the ones
+    never placed. A large Store holds its first part's hashes first and each later part's just
+    before that part's plan (reserve_more, checked with no await between; unreserve if that part is
+    not all new).
 
   A READY block has two separate facts, a hold count and at most one lease:
     host copy:  NONE ─add (Store commit, disk onboard)─> RESIDENT (in the host LRU)
@@ -48,7 +49,6 @@ from __future__ import annotations
 import asyncio
 import heapq
 from collections import Counter
-from itertools import repeat
 from operator import attrgetter, countOf
 from collections.abc import Iterable, Sequence
 
@@ -56,10 +56,10 @@ from kvservice.disk.disk_tier import DiskTier
 from kvservice.memory.host_tier import HostTier
 from kvservice.placement.index import DiskState
 from kvservice.ops.stats import CounterSet
-from kvservice.placement.index import BlankEntries, BlockIndex, Entry, reserved_entries, reserved_entry
+from kvservice.placement.index import BlankEntries, BlockIndex, Entry, reserved_entries
 from kvservice.placement.retention import Retention
 from kvservice.placement.tier_counts import NamespaceCounts, TierCounts
-from kvservice.core.types import BlockHash, NamespaceId, SessionId
+from kvservice.core.types import NamespaceId, SessionId
 
 
 _ENTRY_FIELDS = ("namespace", "hash", "size", "checksum", "stored_at", "deadline", "reuse", "slot", "spilling", "staged",
@@ -101,30 +101,23 @@ class LeaseBook:
 
 
 class Reservation:
-    """A Store's new hashes, held in the index from the start - a concurrent Store of one of them
-    waits for this one's outcome, Lookup / Load / Prefetch see them not ready - while their entries
-    are built part by part, each part's beside the copy of the part before (Lifecycle.build): every
-    hash first maps to `mark`, one shared not-ready Entry with no hash (is_mark), until its part is
-    built. Only this Store changes a hash that maps to its mark."""
+    """A Store's new blocks, RESERVED in the index from the moment their hashes are reserved
+    (Lifecycle.reserve_found / reserve_more: an entry each, not ready, one pin, no slot) - a
+    concurrent Store of one of them waits for its outcome, Lookup / Load / Prefetch see it not
+    ready - and handed their slots part by part (Lifecycle.build), each part's beside the copy of
+    the part before. entries[i] is hashes[i]'s, for as many hashes as are reserved so far."""
 
-    __slots__ = ("blocks", "ns", "hashes", "size", "now", "mark", "entries", "done", "committed")
+    __slots__ = ("blocks", "ns", "hashes", "size", "now", "entries", "placed", "committed")
 
     def __init__(self, blocks: dict[bytes, Entry], ns: NamespaceId, hashes: Sequence[bytes], size: int,
                  now: float) -> None:
         self.blocks, self.ns, self.hashes, self.size, self.now = blocks, ns, hashes, size, now
-        self.mark = reserved_entry(ns, BlockHash(b""), size, now)
-        self.mark.pins = 0  # holds nothing: no slot, no copy
-        self.entries: list[Entry] = []  # built so far, for hashes[:len(entries)]
-        self.done: asyncio.Future[None] | None = None  # a concurrent Store waiting for the outcome
+        self.entries: list[Entry] = []  # reserved so far, for hashes[:len(entries)]
+        self.placed = 0  # entries[:placed] were handed out by build() (their slots placed)
         self.committed = 0  # entries[:committed] are committed (commit(..., r)): finish() skips their walk
 
     def __len__(self) -> int:
         return len(self.hashes)
-
-
-def is_mark(e: Entry) -> bool:
-    """e is a Reservation's mark (a hash reserved by a Store whose entry is not built yet)."""
-    return not e.hash
 
 
 class Lifecycle:
@@ -144,7 +137,6 @@ class Lifecycle:
         self.aborted: dict[int, Entry] = {}  # rolled back, slot held until the copy writing into it ends
         self.releasing: dict[int, Entry] = {}  # released while pinned: the slot goes at the last unpin
         self._outcome: dict[int, asyncio.Future[None]] = {}  # id(reserved entry) -> resolved at commit / rollback
-        self._marks: dict[int, Reservation] = {}  # id(mark) -> its Reservation, until finish()
         # what Admin.Stats reports, kept where blocks change state (kvservice.placement.tier_counts):
         # per namespace over indexed entries here, per tier in host.counts / disk.counts
         self.ns_counts = NamespaceCounts()
@@ -154,80 +146,78 @@ class Lifecycle:
     # --- reservations (Store)
     def reserve(self, blocks: dict[bytes, Entry], ns: NamespaceId, hashes: Sequence[bytes], size: int,
                 now: float) -> list[Entry] | None:
-        """New entries, not ready, in the namespace's dict `blocks` (a concurrent Store of the same
-        hash sees them); each holds one pin, the reserving call's, until commit or rollback. The
-        hashes are not in `blocks`; None (nothing reserved) when one of them is there twice: the
-        dict grew by fewer than len(hashes), which costs nothing to see (no set of the batch)."""
-        entries = reserved_entries(ns, hashes, size, now, self.blanks)
-        before = len(blocks)
-        blocks.update(zip(hashes, entries))
-        if len(blocks) - before < len(entries):
-            for h in hashes:
-                blocks.pop(h, None)
+        """New RESERVED entries for hashes, none of them in `blocks` (reserve_found with no
+        Reservation to follow: the caller places, commits or rolls them back itself). None, and
+        nothing reserved, when one of them is there already or twice in hashes."""
+        r, _, added = self.reserve_found(blocks, ns, hashes, size, now)
+        if added < len(hashes):
+            self.unreserve(r, added)
             return None
-        return entries
+        return r.entries
 
     def reserve_found(self, blocks: dict[bytes, Entry], ns: NamespaceId, hashes: Sequence[bytes], size: int,
                       now: float) -> tuple[Reservation, list[Entry], int]:
         """The batch's lookup and its new hashes' reservation in one pass over the dict
         (dict.setdefault: the probe and the insert are one): every hash not in `blocks` maps to a
-        new Reservation's mark from now on, its entry built later, part by part (build).
-        Returns (r, found, added): found[i] is what hashes[i] maps to - an entry stored or being
-        stored (another Store's mark included), or r.mark where this call holds it (also the later
-        places of a hash twice in the batch) - and added, how many hashes r holds. The caller sets
-        r.hashes to those hashes, each once, in the order it will build them, then hold(r)."""
+        new RESERVED entry of a new Reservation from now on. Returns (r, found, added): found[i] is
+        what hashes[i] maps to - an entry stored or being stored (another Store's included), or
+        r's own new entry (also at the later places of a hash twice in the batch) - and added, how
+        many hashes r holds (r.entries, in the order of their first places). The caller sets
+        r.hashes to those hashes, each once, in that order."""
         r = Reservation(blocks, ns, (), size, now)
         found, added = self.reserve_more(r, hashes)
         return r, found, added
 
     def reserve_more(self, r: Reservation, hashes: Sequence[bytes]) -> tuple[list[Entry], int]:
         """reserve_found's pass for more hashes of the same Store (the rest of a batch whose head is
-        copying already): each one not in the index maps to r's mark from now on. Returns (found,
-        added) as reserve_found does."""
+        copying already): each one not in the index maps to a new RESERVED entry of r from now on
+        (appended to r.entries). Returns (found, added) as reserve_found does."""
         blocks = r.blocks
+        entries = reserved_entries(r.ns, hashes, r.size, r.now, self.blanks)
         before = len(blocks)
-        found = list(map(blocks.setdefault, hashes, repeat(r.mark)))
-        return found, len(blocks) - before
+        found = list(map(blocks.setdefault, hashes, entries))
+        added = len(blocks) - before
+        r.entries += entries if added == len(hashes) else [c for e, c in zip(found, entries) if e is c]
+        return found, added
 
-    def unreserve(self, r: Reservation, hashes: Sequence[bytes]) -> None:
-        """These hashes leave the index where they map to r's mark (the others were another call's,
-        or stored, and stay): reserve_more undone with no await between, or hashes never built."""
-        blocks, mark = r.blocks, r.mark
-        for h in hashes:
-            if blocks.get(h) is mark:
-                del blocks[h]
-
-    def hold(self, r: Reservation) -> None:
-        """r (from reserve_found, its hashes set) is this Store's: finish() ends it."""
-        self._marks[id(r.mark)] = r
+    def unreserve(self, r: Reservation, k: int) -> None:
+        """The last k entries reserve_more gave r leave the index again, with no await since (nobody
+        saw them): a later part of a head-first Store that was not all new."""
+        if k <= 0:
+            return
+        blocks = r.blocks
+        for e in r.entries[-k:]:
+            if blocks.get(e.hash) is e:
+                del blocks[e.hash]
+            e.pins = 0
+        del r.entries[-k:]
 
     def build(self, r: Reservation, k: int) -> list[Entry]:
-        """The entries of the next k hashes of r (RESERVED, one pin each, as reserve() makes them),
-        indexed in place of the mark."""
-        lo = len(r.entries)
-        hashes = r.hashes[lo:lo + k]
-        entries = reserved_entries(r.ns, hashes, r.size, r.now, self.blanks)
-        r.blocks.update(zip(hashes, entries))
-        r.entries += entries
+        """The entries of the next k hashes of r (RESERVED, one pin each), to be placed."""
+        lo = r.placed
+        entries = r.entries[lo:lo + k]
+        assert len(entries) == k, "build() past the hashes reserved"
+        r.placed = lo + k
         return entries
 
     def release_unbuilt(self, r: Reservation) -> None:
-        """The hashes of r whose entries were never built leave the index (they will not be stored)."""
-        if len(r.entries) < len(r.hashes):  # (all built, the usual end: no copy of the hashes' list)
-            self.unreserve(r, r.hashes[len(r.entries):])
-            r.hashes = r.hashes[:len(r.entries)]
+        """r's entries never placed (build) leave the index (they will not be stored)."""
+        if r.placed < len(r.entries):  # (all placed, the usual end: no copy of the lists)
+            self.rollback(r.entries[r.placed:])
+            del r.entries[r.placed:]
+        if r.placed < len(r.hashes):
+            r.hashes = r.hashes[:r.placed]
 
     def finish(self, r: Reservation) -> None:
-        """r's Store is over: its unbuilt hashes leave the index, its built entries not committed are
-        rolled back, and whoever waited for its outcome (outcome()) hears of it. Idempotent."""
+        """r's Store is over: its entries never placed leave the index, its placed entries not
+        committed are rolled back, and whoever waited for their outcome (outcome()) hears of it.
+        Idempotent."""
         self.release_unbuilt(r)
         if r.committed < len(r.entries):
             for e in r.entries:
                 if not e.ready:
                     self.rollback(r.entries)
                     break
-        if self._marks.pop(id(r.mark), None) is not None and r.done is not None and not r.done.done():
-            r.done.set_result(None)
 
     def place(self, entries: Sequence[Entry], offsets: Sequence[int]) -> None:
         """Reserved entries get the slots host.alloc took for them (on the tier's room already)."""
@@ -272,22 +262,12 @@ class Lifecycle:
             self._settle_outcomes(rolled)
 
     def outcome(self, entries: Sequence[Entry]) -> list[asyncio.Future[None]]:
-        """Futures resolved when each of these reserved entries (another call's) is committed or
-        rolled back; await them with asyncio.wait (a cancelled waiter must not cancel them). Then
-        entry.ready says which. An entry settled already has none. A Reservation's mark: resolved
-        when its Store is over (then look the hash up again: stored, or not)."""
+        """Futures resolved when each of these reserved entries (another call's, or this Store's own
+        for a hash twice) is committed or rolled back; await them with asyncio.wait (a cancelled
+        waiter must not cancel them). Then entry.ready says which. An entry settled already has none."""
         loop = asyncio.get_running_loop()
         out = []
-        marks = set()
         for e in entries:
-            r = self._marks.get(id(e)) if is_mark(e) else None
-            if r is not None:
-                if id(r) not in marks:
-                    marks.add(id(r))
-                    if r.done is None:
-                        r.done = loop.create_future()
-                    out.append(r.done)
-                continue
             if e.ready or not self.index.holds(e):
                 continue
             f = self._outcome.get(id(e))

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvservice.core import pipeline
-from kvservice.core.lifecycle import Reservation, is_mark
+from kvservice.core.lifecycle import Reservation
 from kvservice.core.sessions import Session
 from kvservice.core.types import SessionId, StoreResults, StoreStatus, Tier
 from kvservice.ops.trace import TRACE
@@ -105,8 +105,7 @@ class StorePath:
             return None, 0, (res, found, added)
         del found
         n = len(hs)
-        res.hashes = hs  # a later part's entries are built only once reserve_part() took its hashes
-        life.hold(res)
+        res.hashes = hs  # a later part's entries are reserved only once reserve_part() took its hashes
         TRACE.mark(call, "reserved")
         taken = n
 
@@ -115,7 +114,7 @@ class StorePath:
             _, more = life.reserve_more(res, hs[lo:hi])
             if more == hi - lo:
                 return True
-            life.unreserve(res, hs[lo:hi])
+            life.unreserve(res, more)
             res.hashes = hs[:lo]
             taken = lo
             return False
@@ -138,8 +137,8 @@ class StorePath:
         life = t.life
         ns, size = s.namespace, s.block_bytes
         blocks = t.index.namespace(ns)
-        # one pass: the new hashes are held at once (a mark each; their entries are built part by
-        # part), the others' entries found
+        # one pass: the new hashes are held at once (a RESERVED entry each; their slots come part
+        # by part), the others' entries found
         if pre is not None:
             res, found, added = pre
             more, added_more = life.reserve_more(res, hs[len(found):])
@@ -147,25 +146,24 @@ class StorePath:
             added += added_more
         else:
             res, found, added = life.reserve_found(blocks, ns, hs, size, now)
-        mark = res.mark
         touched: list[tuple[int, Entry]] = []
         if added == len(hs):  # all new, each once (the usual Store): no per-block split
             new_pos: list[int] = list(range(len(hs)))  # positions of hashes not stored yet
             new_hashes = hs
         else:
-            new_pos = [i for i, e in enumerate(found) if e is mark]
-            touched = [(i, e) for i, e in enumerate(found) if e is not mark]
+            mine = set(map(id, res.entries))  # this call's new entries (a hash twice: both places map to one)
+            new_pos = [i for i, e in enumerate(found) if id(e) in mine]
+            touched = [(i, e) for i, e in enumerate(found) if id(e) not in mine]
             if added < len(new_pos):  # a hash twice in one batch: its first place stores it, the others wait for it
                 first: dict[bytes, int] = {}
                 for i in new_pos:
                     first.setdefault(hs[i], i)
-                touched += [(i, mark) for i in new_pos if first[hs[i]] != i]
+                touched += [(i, found[i]) for i in new_pos if first[hs[i]] != i]
                 new_pos = [i for i in new_pos if first[hs[i]] == i]
             new_hashes = [hs[i] for i in new_pos]
         del found
         if new_hashes:
             res.hashes = new_hashes
-            life.hold(res)
         else:
             res = None
         TRACE.mark(call, "reserved")
@@ -221,16 +219,13 @@ class StorePath:
                              ttl: float, now: float, results: StoreResults) -> None:
         """Hits that another Store was copying in: ALREADY_STORED (and retained if asked) once it
         committed them; NOT_STORED if it was cancelled or failed - never an acknowledgement of
-        bytes nobody kept. A hit on a Store's reservation mark (its entry not built yet) is looked
-        up again once that Store is over."""
+        bytes nobody kept."""
         waits = self._t.life.outcome([e for _, e in pending])
         if waits:
             await asyncio.wait(waits)
         stored: list[tuple[int, Entry]] = []
         for i, e in pending:
-            if is_mark(e):
-                e = blocks.get(hs[i])
-            if e is None or not e.ready:
+            if not e.ready:
                 results.set(i, StoreStatus.NOT_STORED,
                             message="a concurrent Store of this block did not complete (cancelled or failed): store it again")
             elif blocks.get(hs[i]) is not e:  # committed, then evicted (no disk copy) before this call woke up
@@ -290,7 +285,7 @@ class StorePath:
         t = self._t
         life = t.life
         n = len(pos)
-        first = len(res.entries)  # entries of earlier chunks
+        first = res.placed  # entries of earlier chunks
         jobs: list[tuple[asyncio.Future, list[Entry]]] = []  # copies started: their futures and blocks
         sums: list[int] = []
         waited = 0  # jobs whose copy was awaited (their checksums are in sums)
