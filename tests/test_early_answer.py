@@ -197,3 +197,31 @@ def test_through_the_frames_channel_the_reply_comes_before_the_commit(tmp_path):
         committed = next(j for j, e in enumerate(rest) if e["call"] == call and e["tag"] == "committed")
         sent = next(j for j, e in enumerate(rest) if e["tag"] == "channel.sent")
         assert sent < committed, "the Store's reply was sent after its commit"
+
+
+@pytest.mark.asyncio
+async def test_the_work_after_an_answer_runs_in_steps_between_requests(tmp_path, monkeypatch):
+    """An evicting Store leaves two things for after its answer: the entries it let go of are freed,
+    and the blank entries it took are built again. They run as a task, a step at a time: when the
+    Store returns, neither is done; a Load sent at once is served; a few loop steps later both are."""
+    import kvservice.core.lifecycle as lifecycle_mod
+    monkeypatch.setattr(lifecycle_mod, "TIDY_BLOCKS", 2)
+    cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=8 * BLOCK, max_batch_blocks=16)
+    async with started_cache(cfg) as cache:
+        life = cache.tiers.life
+        assert len(life.blanks) == life.blanks.limit == 16  # built at start
+        async with engine_on(cache, num_blocks=32) as eng:
+            assert [r.status for r in await eng.store(list(range(8)))] == [STORED] * 8  # fills the tier
+            while cache._tidying is not None:
+                await asyncio.sleep(0)
+            assert [r.status for r in await eng.store(list(range(8, 16)))] == [STORED] * 8  # evicts 0-7
+            assert len(life.blanks) < 16 and life._dropped, "tidied before the Store returned"
+            assert cache._tidying is not None
+            assert [r.status for r in await eng.load(list(range(8, 16)))] == [LOADED] * 8
+            for _ in range(50):
+                if cache._tidying is None:
+                    break
+                await asyncio.sleep(0)
+            assert cache._tidying is None and not life._dropped and len(life.blanks) == 16
+            assert cache.lookup(eng.sid, [h(i) for i in range(8)]) == []
+            assert cache.audit() == []

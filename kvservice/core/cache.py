@@ -80,6 +80,7 @@ class BlockCache(StorePath, LoadPath, PrefetchPath):
         self._prefetch_read_latency = Histogram("prefetch_read")  # their disk reads (calls with a block to read)
         self._stopping = False
         self._background: set[asyncio.Task] = set()
+        self._tidying: asyncio.Task | None = None  # _tidy, while it runs
 
     # --- lifecycle
     async def start(self) -> int:
@@ -296,6 +297,22 @@ class BlockCache(StorePath, LoadPath, PrefetchPath):
                     fut.add_done_callback(lambda _: on_abandon())
             raise
 
+
+    def _tidy_soon(self) -> None:
+        """Start the task that does Lifecycle.tidy_step until nothing is left, a step (~1 ms) between
+        other requests: a Load the engine sends as soon as its Store was answered waits for one step
+        at most, not for all of it (32768 blank entries are ~15 ms of the GPU host's loop)."""
+        if self._tidying is None and not self._stopping:
+            self._tidying = asyncio.ensure_future(self._tidy())
+            self._background.add(self._tidying)
+            self._tidying.add_done_callback(self._background.discard)
+
+    async def _tidy(self) -> None:
+        try:
+            while self._t.life.tidy_step():
+                await asyncio.sleep(0)
+        finally:
+            self._tidying = None
 
     def _later(self, coro) -> None:
         """Run off the request path (onboarding a disk hit after the Load reply)."""

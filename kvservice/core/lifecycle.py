@@ -78,6 +78,9 @@ _namespace_of = attrgetter("namespace")
 _size_of = attrgetter("size")
 
 
+TIDY_BLOCKS = 2048  # blank entries a tidy_step builds (~1 ms of the GPU host's loop)
+
+
 class LeaseBook:
     """Prefetch leases, kept incrementally: per-owner and total bytes, and a heap of expiries
     (stale items skipped). Pure bookkeeping; `now` comes from the caller."""
@@ -127,8 +130,8 @@ class Lifecycle:
     def __init__(self, index: BlockIndex, host: HostTier, retention: Retention, stats: CounterSet,
                  disk: DiskTier | None = None, blank_limit: int = 0) -> None:
         self.index = index
-        self.blanks = BlankEntries(blank_limit)  # new entries built ahead of the Stores (after_answer)
-        self._dropped: list[Sequence[Entry]] = []  # batches drop_plain let go of: freed in after_answer
+        self.blanks = BlankEntries(blank_limit)  # new entries built ahead of the Stores (tidy_step)
+        self._dropped: list[Sequence[Entry]] = []  # batches drop_plain let go of: freed by tidy_step
         self.host = host
         self.disk = disk  # the disk copy's room and order book (None: no disk tier)
         self.retention = retention
@@ -496,14 +499,18 @@ class Lifecycle:
                 self.ns_counts.host(ns, -k, -k * size)
         self._wake_and_promote(entries)
         self.index.remove_many(entries)
-        self._dropped.append(entries)  # their memory is freed after the answer (after_answer), not before the copy
+        self._dropped.append(entries)  # their memory is freed after the answer (tidy_step), not before the copy
 
-    def after_answer(self) -> None:
-        """A call has been answered (BlockCache.store's end): the work kept off its answer's way now -
-        the entries its evictions let go of are freed (~0.15 us a block: the entry and its hash), and
-        new blank entries are built for the next Store (BlankEntries.refill)."""
-        self._dropped.clear()
-        self.blanks.refill()
+    def tidy_step(self, blocks: int | None = None) -> bool:
+        """One step of the work kept off the answers' way (BlockCache runs it in a task of its own,
+        a step between other requests): the entries a batch of evictions let go of are freed (~0.15
+        us a block: the entry and its hash), else up to `blocks` blank entries built for the next
+        Stores (BlankEntries.refill). True while some is left."""
+        if self._dropped:
+            self._dropped.pop()
+        else:
+            self.blanks.refill(TIDY_BLOCKS if blocks is None else blocks)
+        return bool(self._dropped) or len(self.blanks) < self.blanks.limit
 
     def restore(self, e: Entry) -> bool:
         """SPILLING -> RESIDENT with the slot it kept (its spill failed); False: no room for it."""

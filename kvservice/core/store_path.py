@@ -70,9 +70,7 @@ class StorePath:
             log.info("namespace %s: hash canary fixed by session %s, its first store", s.namespace, s.label)
         self._store_latency.observe(time.perf_counter() - t0)
         pipeline.fail_unanswered(results, StoreStatus.FAILED)
-        # after the answer on the frames channel (the engine reads it meanwhile): the evicted entries
-        # freed, the next Store's new entries built; on gRPC, what this Store's plan saved
-        self._t.life.after_answer()
+        self._tidy_soon()  # the evicted entries freed, the next Store's new entries built: between requests
         TRACE.mark(call, "end")
         return results
 

@@ -124,8 +124,8 @@ class BlankEntries:
     blocks get theirs from here and set four fields each, where building one (an allocation and 20
     field writes, ~0.4-0.6 us a block on the CPU box, 1.5-2x that on the GPU hosts) was one of the
     largest parts of a small-block Store's time before its copies. refill() builds the list back up
-    to `limit` once a Store has been answered (BlockCache.store's end: beside the engine reading its
-    reply); the daemon fills it at start. Only fresh objects: an entry that was ever taken is never
+    to `limit` once a Store has been answered, a step at a time between other requests
+    (Lifecycle.tidy_step, in a task of BlockCache's); the daemon fills it at start. Only fresh objects: an entry that was ever taken is never
     put back, so a stale reference elsewhere can never see another block through it.
     `limit` entries are kept (~190 bytes each: 65536 = ~12 MiB of the daemon's fixed overhead)."""
 
@@ -148,9 +148,11 @@ class BlankEntries:
         del free[-k:]
         return out
 
-    def refill(self) -> int:
-        """Build blanks up to the limit. Returns how many were built."""
+    def refill(self, most: int | None = None) -> int:
+        """Build blanks up to the limit (at most `most` of them now). Returns how many were built."""
         k = self.limit - len(self._free)
+        if most is not None:
+            k = min(k, most)
         if k <= 0:
             return 0
         self._free += _blank_entries(k)
