@@ -471,8 +471,6 @@ class Lifecycle:
         assert self.disk is None, "drop_plain is for a host tier with no disk tier"
         host = self.host
         size = entries[0].size
-        counts = host.counts
-        leased, retained = counts.leased.live, counts.retained.live
         free: list[int] = []
         add = free.append
         marked: list[Entry] = []  # retained or once leased: their books, after the pass
@@ -485,18 +483,10 @@ class Lifecycle:
         host.lru_discarded(len(entries))
         host.arena.free(free, size)
         host.used_bytes -= len(free) * size
+        self._left_host_plain(marked, size, counted=entries)
         for e in marked:
-            if e.lease_until:
-                leased.pop(id(e), None)
             if e.deadline:
-                retained.pop(id(e), None)
                 self.retention.forget(e)
-        ns = entries[0].namespace
-        if countOf(map(_namespace_of, entries), ns) == len(entries):  # (the usual batch: one namespace)
-            self.ns_counts.host(ns, -len(entries), -len(entries) * size)
-        else:
-            for ns, k in Counter(map(_namespace_of, entries)).items():
-                self.ns_counts.host(ns, -k, -k * size)
         self._wake_and_promote(entries)
         self.index.remove_many(entries)
         self._dropped.append(entries)  # their memory is freed after the answer (tidy_step), not before the copy
@@ -857,8 +847,9 @@ class Lifecycle:
         if e.disk == DiskState.ON_DISK:
             self.ns_counts.disk(e.namespace, -1, -e.size)
 
-    def _left_host_plain(self, plain: Sequence[Entry], size: int) -> None:
-        """evict_many's plain victims (resident, indexed, unpinned, of one size) left the host tier."""
+    def _left_host_plain(self, plain: Sequence[Entry], size: int, counted: Sequence[Entry] | None = None) -> None:
+        """evict_many's plain victims (resident, indexed, unpinned, of one size) left the host tier.
+        counted: all of them, where `plain` holds only those with a lease or a deadline (drop_plain's)."""
         counts = self.host.counts
         leased, retained = counts.leased.live, counts.retained.live
         if leased or retained:
@@ -867,6 +858,7 @@ class Lifecycle:
                     leased.pop(id(e), None)
                 if e.deadline:
                     retained.pop(id(e), None)
+        plain = plain if counted is None else counted
         ns = plain[0].namespace
         if countOf(map(_namespace_of, plain), ns) == len(plain):  # (the usual batch: one namespace)
             self.ns_counts.host(ns, -len(plain), -len(plain) * size)

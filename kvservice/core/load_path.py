@@ -160,6 +160,9 @@ class LoadPath:
         served = 0  # hs[:served] are pinned and handed to copies
         chain: list[Entry] = []
 
+        def landed(k: int) -> Callable[[], None] | None:  # all_copied for the last part of a batch served whole
+            return all_copied if served == n and k == len(jobs) - 1 else None
+
         def touch_served() -> None:  # the served head, newest first, as one chain (a failed copy leaves it refreshed: harmless)
             nonlocal chain
             chain = [e for _, part in jobs for e in part]
@@ -185,12 +188,12 @@ class LoadPath:
                 if hi == n:  # the whole batch handed over: its chain refreshed while the last two parts copy
                     touch_served()  # (after the wait below, the device would sit idle through it: 2.6 ms of 32768 blocks on the H100)
                 while len(jobs) - done >= pipeline.PIPELINE_DEPTH:
-                    await self._settle_part(s, jobs[done], call, all_copied if served == n and done == len(jobs) - 1 else None)
+                    await self._settle_part(s, jobs[done], call, landed(done))
                     done += 1
             if served and not chain:  # a part that was not all host hits ended the loop: the head served so far
                 touch_served()
             while done < len(jobs):
-                await self._settle_part(s, jobs[done], call, all_copied if served == n and done == len(jobs) - 1 else None)
+                await self._settle_part(s, jobs[done], call, landed(done))
                 done += 1
         except BaseException:
             for fut, part in jobs[done:]:  # each part's pins go once its copy thread is done with them

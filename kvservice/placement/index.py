@@ -163,21 +163,15 @@ def reserved_entries(namespace: NamespaceId, hashes: Sequence[BlockHash], size: 
                      blanks: BlankEntries | None = None) -> list[Entry]:
     """A Store's new entries, one per hash: not ready, one pin (the reserving call's), no slot.
     Taken from `blanks` where it has them (four fields set each), built for the rest."""
-    out = blanks.take(len(hashes)) if blanks is not None else []
-    k = len(out)
+    n = len(hashes)
+    out = blanks.take(n) if blanks is not None else []
+    if len(out) < n:
+        out += _blank_entries(n - len(out))
     for e, h in zip(out, hashes):
         e.namespace = namespace
         e.hash = h
         e.size = size
         e.stored_at = stored_at
-    if k < len(hashes):
-        rest = _blank_entries(len(hashes) - k)
-        for e, h in zip(rest, hashes[k:] if k else hashes):
-            e.namespace = namespace
-            e.hash = h
-            e.size = size
-            e.stored_at = stored_at
-        out += rest
     return out
 
 
