@@ -115,3 +115,73 @@ def test_stamp_lru_lets_go_of_entries_trimmed_off_the_front_of_a_group():
     lru.touch(keep[:1])
     assert list(lru.oldest_first()) == keep[1:] + keep[:1]
 
+
+
+class _Pinnable(_Block):
+    """An Entry's fields take_oldest reads: pins and lease_until (Entry.pinned(now))."""
+
+    def __init__(self) -> None:
+        self.pins = 0
+        self.lease_until = 0.0
+
+
+def test_take_oldest_is_a_filtered_walk_then_discard_and_lets_go_of_what_it_takes():
+    """StampLRU.take_oldest(want, now) gives what oldest_first() filtered by "not pinned, no lease
+    running at now" gives, its first `want`, and leaves the order as discard_many of them would:
+    random runs of touches, refreshes, additions, discards, pins and leases (some expired), with a
+    take between steps; after each, the order, length and bounded references match the reference,
+    and a taken entry is no longer referenced by the order (it is freed with its last reference)."""
+    import gc
+    import weakref
+
+    rng = random.Random(21)
+    now = 100.0
+    for run in range(600):
+        blocks = [_Pinnable() for _ in range(40)]
+        lru, ref = StampLRU(), _Reference()
+        for step in range(25):
+            op = rng.randrange(6)
+            chain = [rng.choice(blocks) for _ in range(rng.randrange(9))]
+            if op == 0:
+                lru.touch(chain)
+                ref.touch(chain, present_only=False)
+            elif op == 1:
+                lru.touch_present(chain)
+                ref.touch(chain, present_only=True)
+            elif op == 2:
+                new = [_Pinnable() for _ in range(rng.randrange(1, 12))]
+                blocks += new
+                lru.add_new(new)
+                ref.touch(new, present_only=False)
+            elif op == 3:
+                lru.discard_many(chain)
+                for e in chain:
+                    ref.order.pop(e, None)
+            elif op == 4:
+                for e in chain:
+                    e.pins = rng.randrange(2)
+                    e.lease_until = rng.choice((0.0, now - 1, now + 5))
+            else:
+                want = rng.randrange(0, 15)
+                expect = [e for e in ref.order if not e.pins and e.lease_until <= now][:want]
+                got = lru.take_oldest(want, now)
+                assert got == expect, (run, step)
+                assert all(e.lru_pos == 0 for e in got)
+                for e in got:
+                    del ref.order[e]
+            assert list(lru.oldest_first()) == list(ref.order), (run, step)
+            assert len(lru) == len(ref.order)
+            assert lru._refs <= lru_mod.STALE_RATIO * len(lru) + 4096 + 64
+
+    lru = StampLRU()
+    chain = [_Pinnable() for _ in range(64)]
+    lru.add_new(chain)
+    chain[20].pins = 1  # the 44th oldest: kept, and the walk goes past it
+    got = lru.take_oldest(50, now)
+    assert len(got) == 50 and chain[20] not in got and len(lru) == 14
+    refs = [weakref.ref(e) for e in got[:43]]  # the ones before the kept member: the front moved past them
+    keep = list(lru.oldest_first())
+    del chain, got
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert len(keep) == 14 and keep[0].pins == 1

@@ -63,6 +63,10 @@ class HostRoom:
         if host.arena.holds_only(block_bytes):
             # every resident block is of block_bytes: each victim frees one slot and block_bytes of
             # room, so `have` grows by one per victim: the first n - have candidates, taken as a batch
+            if self.disk is None:  # all dropped: chosen and taken out of the LRU in one walk
+                victims = host.take_oldest(n - have, now)
+                self._evict_victims(victims, now, plain=True, taken=True)
+                return min(n, have + len(victims)), []
             victims = self._host_victims(now, n - have)
             have += len(victims)
         else:
@@ -240,11 +244,13 @@ class HostRoom:
         self.life.evict(e, keep_slot=True)
         return True
 
-    def _evict_victims(self, victims: list[Entry], now: float, plain: bool = False) -> list[Entry]:
+    def _evict_victims(self, victims: list[Entry], now: float, plain: bool = False,
+                       taken: bool = False) -> list[Entry]:
         """_evict_from_host for each victim, in one pass: the ones with a disk copy and the ones
         dropped (no disk tier, or the gate says no) leave the host tier as one batch first (a disk
         plan of the rest may then forget a released one); the rest are planned one by one.
-        plain: the victims are unpinned resident blocks of one size (make_host_room's fast path)."""
+        plain: the victims are unpinned resident blocks of one size (make_host_room's fast path);
+        taken: with no disk tier, they left the LRU already (HostTier.take_oldest)."""
         no_disk = self.disk is None
         rest: list[Entry] = []
         if no_disk:  # nowhere to spill: every victim is dropped
@@ -270,7 +276,7 @@ class HostRoom:
             for ns, k in (dropped + _count_namespaces(release) if release else dropped).items():
                 self.stats.bump(ns, "host_evictions", k)
             if no_disk and plain:  # the usual batch with no disk tier: one pass
-                self.life.drop_plain(drop)
+                self.life.drop_plain(drop, taken=taken)
             else:
                 self.life.evict_many(release + drop if release else drop, plain=plain)
                 if drop:

@@ -460,12 +460,13 @@ class Lifecycle:
             self._left_host_plain(plain, size)
             self._wake_and_promote(plain)
 
-    def drop_plain(self, entries: Sequence[Entry]) -> None:
+    def drop_plain(self, entries: Sequence[Entry], taken: bool = False) -> None:
         """evict_many(entries, plain=True), then forget_many(entries), in one pass over them: RESIDENT
         -> (absent) for victims with no disk copy and no disk tier to spill to (make_host_room's
         usual batch when there is none: unpinned, resident, of one size, members of the LRU). Each
         entry is touched once (LRU position, slot, index key) where the two calls walk the batch five
-        times (~1 us a block of an evicting 64 KiB Store on the CPU box, ~a third of its loop time)."""
+        times (~1 us a block of an evicting 64 KiB Store on the CPU box, ~a third of its loop time).
+        taken: the entries left the LRU already (HostTier.take_oldest, the walk that chose them)."""
         if not entries:
             return
         assert self.disk is None, "drop_plain is for a host tier with no disk tier"
@@ -480,7 +481,8 @@ class Lifecycle:
             e.slot = -1
             if e.deadline or e.lease_until:
                 marked.append(e)
-        host.lru_discarded(len(entries))
+        if not taken:
+            host.lru_discarded(len(entries))
         host.arena.free(free, size)
         host.used_bytes -= len(free) * size
         self._left_host_plain(marked, size, counted=entries)

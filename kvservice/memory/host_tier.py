@@ -110,6 +110,11 @@ class HostTier:
     def lru_discard_many(self, entries: Sequence[Entry]) -> None:
         self._lru.discard_many(entries)
 
+    def take_oldest(self, want: int, now: float) -> list[Entry]:
+        """Up to `want` of the oldest unpinned, unleased resident blocks, out of the LRU already
+        (StampLRU.take_oldest): the caller evicts every one of them before it awaits."""
+        return self._lru.take_oldest(want, now)
+
     def lru_discarded(self, n: int) -> None:
         """n members left the LRU, their lru_pos zeroed by the caller (StampLRU.discarded)."""
         self._lru.discarded(n)

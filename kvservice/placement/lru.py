@@ -173,6 +173,59 @@ class StampLRU:
             self._version += 1
             self._trim()
 
+    def take_oldest(self, want: int, now: float) -> list[Entry]:
+        """Up to `want` of the oldest members that may be evicted now (no pin, no lease running at
+        `now`: Entry.pinned), taken out of the order in the same walk, oldest first. What a walk of
+        oldest_first() filtered, then discard_many() of the result and its _trim, do with three
+        passes over the victims (~0.35 us a block of an evicting 64 KiB Store on the CPU box, a
+        sixth of its time): here each victim is read and written once, and the groups' fronts
+        move past the taken ones as the walk goes. Members skipped (pinned) keep their places."""
+        out: list[Entry] = []
+        if want <= 0 or not self._count:
+            return out
+        add = out.append
+        groups = self._groups
+        gi = 0
+        taken = 0
+        front = True  # no member kept (skipped) before this point of the walk: the fronts may move
+        while gi < len(groups) and taken < want:
+            g = groups[gi]
+            base, members, start = g
+            n = len(members)
+            i = start
+            while i < n:
+                e = members[i]
+                if e.lru_pos == base + i:
+                    if e.pins or e.lease_until > now:
+                        if front:  # the group's front stops at its first kept member
+                            front = False
+                            self._refs -= i - g[2]
+                            members[g[2]:i] = _gone(i - g[2])
+                            g[2] = i
+                    else:
+                        e.lru_pos = 0
+                        add(e)
+                        taken += 1
+                        if taken == want:
+                            i += 1
+                            break
+                i += 1
+            if front:
+                if i < n:
+                    self._refs -= i - g[2]
+                    members[g[2]:i] = _gone(i - g[2])
+                    g[2] = i
+                else:  # the whole group went
+                    groups.popleft()
+                    self._refs -= n - g[2]
+                    continue  # (gi stays 0: the next group is at the front now)
+            gi += 1
+        if taken:
+            self._count -= taken
+            self._version += 1
+            self._trim()  # (from the front: stale references the walk's fronts left, e.g. behind a kept member)
+        return out
+
     def _trim(self) -> None:
         """Drop the stale references at the front (the oldest went first: eviction's usual case)."""
         groups = self._groups
