@@ -276,7 +276,7 @@ class HostRoom:
             for ns, k in (dropped + _count_namespaces(release) if release else dropped).items():
                 self.stats.bump(ns, "host_evictions", k)
             if no_disk and plain:  # the usual batch with no disk tier: one pass
-                self.life.drop_plain(drop, taken=taken)
+                self.life.drop_plain(drop, taken=taken, by_ns=dropped)
             else:
                 self.life.evict_many(release + drop if release else drop, plain=plain)
                 if drop:
