@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from kvservice.core import pipeline
 from kvservice.core.clock import Clock
 from kvservice.ops.config import Config
 from kvservice.memory.engine_memory import open_engine_memory
@@ -302,6 +303,10 @@ class BlockCache(StorePath, LoadPath, PrefetchPath):
         """Start the task that does Lifecycle.tidy_step until nothing is left, a step (~1 ms) between
         other requests: a Load the engine sends as soon as its Store was answered waits for one step
         at most, not for all of it (32768 blank entries are ~15 ms of the GPU host's loop)."""
+        if pipeline.TIDY == "answer":
+            while self._t.life.tidy_step():
+                pass
+            return
         if self._tidying is None and not self._stopping:
             self._tidying = asyncio.ensure_future(self._tidy())
             self._background.add(self._tidying)

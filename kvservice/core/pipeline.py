@@ -49,6 +49,11 @@ ENQUEUE_FIRST = os.environ.get("KVTUNE_COPY_ENQUEUE_FIRST", "1") == "1"
 # The same for a Load in parts (KVTUNE_LOAD_ENQUEUE_FIRST=1): off until measured on a GPU host (its
 # bookkeeping between parts is short; the Store's measured gain does not carry over by itself).
 LOAD_ENQUEUE_FIRST = os.environ.get("KVTUNE_LOAD_ENQUEUE_FIRST", "0") == "1"
+# Where the work a Store leaves for after its answer runs (freeing the entries it evicted, building blank
+# entries for the next Store: Lifecycle.tidy_step): "task" - a task of the cache, a step at a time between
+# other requests; "answer" - all of it at the Store's end, after the frames channel's early answer and
+# before the next request is read (KVTUNE_TIDY, an A/B).
+TIDY = os.environ.get("KVTUNE_TIDY", "task")
 
 
 def when_copy_ends(fut: asyncio.Future, fn: Callable[[], object]) -> None:
