@@ -299,11 +299,13 @@ class BlockCache(StorePath, LoadPath, PrefetchPath):
             raise
 
 
-    def _tidy_soon(self) -> None:
+    def _tidy_soon(self, answered: bool = False) -> None:
         """Start the task that does Lifecycle.tidy_step until nothing is left, a step (~1 ms) between
         other requests: a Load the engine sends as soon as its Store was answered waits for one step
-        at most, not for all of it (32768 blank entries are ~15 ms of the GPU host's loop)."""
-        if pipeline.TIDY == "answer":
+        at most, not for all of it (32768 blank entries are ~15 ms of the GPU host's loop).
+        answered: the caller's reply is out already (pipeline.Answer.sent); under KVTUNE_TIDY=answer
+        all of it is done now, before the next request is read."""
+        if answered and pipeline.TIDY == "answer":
             while self._t.life.tidy_step():
                 pass
             return

@@ -70,7 +70,9 @@ class StorePath:
             log.info("namespace %s: hash canary fixed by session %s, its first store", s.namespace, s.label)
         self._store_latency.observe(time.perf_counter() - t0)
         pipeline.fail_unanswered(results, StoreStatus.FAILED)
-        self._tidy_soon()  # the evicted entries freed, the next Store's new entries built: between requests
+        # the evicted entries freed, the next Store's new entries built: now if the engine has its answer
+        # (KVTUNE_TIDY=answer), else between requests
+        self._tidy_soon(answered=answer is not None and answer.sent)
         TRACE.mark(call, "end")
         return results
 
