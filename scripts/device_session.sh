@@ -17,6 +17,8 @@
 #   disk64     the same with 64 KiB blocks, 1 GiB spilled (issue 13's 64 KiB line)                         300
 #   e2e        scripts/device_e2e.sh diskboth (issue 14's disk line on this tree)                            300
 #   ab:V=X[+W=Y]  the 2 GiB rows of 256 KiB and 64 KiB blocks with KVTUNE_* knobs set (an A/B beside bw)      75
+#   tok        16k- and 32k-token batches at the smaller block sizes: 256 KiB blocks (an 8B model at TP 8: one  120
+#              engine's share) in 256 / 512 MiB batches, 64 KiB in 64 / 128 MiB (bw keeps 2 / 4 GiB for all)
 #   abx:V=X[+W=Y] the same with the 2 MiB row too ("abx:" alone: the defaults, the A/B's baseline in the call)  90
 # Run the phases that fit one call's 600 s (default: tests,bw,disk64 ~ 8 min at most; on the H200 host
 # the tests phase alone took 210 s).
@@ -68,6 +70,8 @@ for p in ${PHASES//,/ }; do
           [[ -f $D/d64/probe/ratios.md ]] && cat "$D/d64/probe/ratios.md" >> "$S" ;;
     e2e) phase e2e 300 env OUT="$D" bash scripts/device_e2e.sh diskboth
          [[ -f $D/pool.md ]] && cat "$D/pool.md" >> "$S" ;;
+    tok) phase tok256 60 "${BW[@]/2048,256,64/256}" --batch-mib 256,512
+         phase tok64 60 "${BW[@]/2048,256,64/64}" --batch-mib 64,128 ;;
     abx:*) kv=${p#abx:}; phase "$p" 90 env ${kv//+/ } "${BW[@]}" --batch-mib 2048 ;;
     ab:*) kv=${p#ab:}; phase "$p" 75 env ${kv//+/ } "${BW[@]/2048,256,64/256,64}" --batch-mib 2048 ;;
     *) say "unknown phase $p" ;;
