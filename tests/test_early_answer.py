@@ -225,3 +225,37 @@ async def test_the_work_after_an_answer_runs_in_steps_between_requests(tmp_path,
             assert cache._tidying is None and not life._dropped and len(life.blanks) == 16
             assert cache.lookup(eng.sid, [h(i) for i in range(8)]) == []
             assert cache.audit() == []
+
+
+@pytest.mark.asyncio
+async def test_with_tidy_at_the_answer_an_answered_store_does_that_work_before_it_returns(tmp_path, monkeypatch):
+    """KVTUNE_TIDY=answer: a Store whose answer is out (the frames channel's hook) frees the entries it
+    let go of and builds the blank entries back before it returns, so the engine's next request (read
+    after the call) runs with nothing of it left beside it; a Store with no early answer (gRPC) leaves
+    that work to the stepped task, so its reply never waits for it."""
+    monkeypatch.setattr(pipeline_mod, "TIDY", "answer")
+    cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=8 * BLOCK, max_batch_blocks=16)
+    async with started_cache(cfg) as cache:
+        life = cache.tiers.life
+        async with engine_on(cache, num_blocks=32) as eng:
+            for i in range(24):
+                eng.pool.write(i, content(i))
+            assert [r.status for r in await eng.store(list(range(8)))] == [STORED] * 8  # fills the tier
+            while cache._tidying is not None:
+                await asyncio.sleep(0)
+            hashes = [h(i) for i in range(8, 16)]
+            early = EarlyAnswer()
+            res = await cache.store(eng.sid, hashes, list(range(8, 16)), answer=early.hook)  # evicts 0-7
+            assert early.sent is not None and bytes(res.status) == bytes([STORED] * 8)
+            assert not life._dropped and len(life.blanks) == 16, "left for later although answered"
+            assert cache._tidying is None
+            assert [r.status for r in await eng.store(list(range(16, 24)))] == [STORED] * 8  # no hook: evicts 8-15
+            assert life._dropped and cache._tidying is not None, "an unanswered Store did the work before its reply"
+            for _ in range(50):
+                if cache._tidying is None:
+                    break
+                await asyncio.sleep(0)
+            assert not life._dropped and len(life.blanks) == 16
+            assert [r.status for r in await eng.load(list(range(16, 24)))] == [LOADED] * 8
+            assert cache.lookup(eng.sid, [h(i) for i in range(16)]) == []
+            assert cache.audit() == []
