@@ -202,8 +202,9 @@ def test_through_the_frames_channel_the_reply_comes_before_the_commit(tmp_path):
 @pytest.mark.asyncio
 async def test_the_work_after_an_answer_runs_in_steps_between_requests(tmp_path, monkeypatch):
     """An evicting Store leaves two things for after its answer: the entries it let go of are freed,
-    and the blank entries it took are built again. They run as a task, a step at a time: when the
-    Store returns, neither is done; a Load sent at once is served; a few loop steps later both are."""
+    and the blank entries it took are built again. For a Store with no early answer (gRPC: its return
+    is its reply) they run as a task, a step at a time: when the Store returns, neither is done; a
+    Load sent at once is served; a few loop steps later both are."""
     import kvservice.core.lifecycle as lifecycle_mod
     monkeypatch.setattr(lifecycle_mod, "TIDY_BLOCKS", 2)
     cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=8 * BLOCK, max_batch_blocks=16)

@@ -303,8 +303,8 @@ class BlockCache(StorePath, LoadPath, PrefetchPath):
         """Start the task that does Lifecycle.tidy_step until nothing is left, a step (~1 ms) between
         other requests: a Load the engine sends as soon as its Store was answered waits for one step
         at most, not for all of it (32768 blank entries are ~15 ms of the GPU host's loop).
-        answered: the caller's reply is out already (pipeline.Answer.sent); under KVTUNE_TIDY=answer
-        all of it is done now, before the next request is read."""
+        answered: the caller's reply is out already (pipeline.Answer.sent): then (pipeline.TIDY, by
+        default) all of it is done now, before the next request is read."""
         if answered and pipeline.TIDY == "answer":
             while self._t.life.tidy_step():
                 pass

@@ -50,10 +50,14 @@ ENQUEUE_FIRST = os.environ.get("KVTUNE_COPY_ENQUEUE_FIRST", "1") == "1"
 # bookkeeping between parts is short; the Store's measured gain does not carry over by itself).
 LOAD_ENQUEUE_FIRST = os.environ.get("KVTUNE_LOAD_ENQUEUE_FIRST", "0") == "1"
 # Where the work a Store leaves for after its answer runs (freeing the entries it evicted, building blank
-# entries for the next Store: Lifecycle.tidy_step): "task" - a task of the cache, a step at a time between
-# other requests; "answer" - all of it at the Store's end, after the frames channel's early answer and
-# before the next request is read (KVTUNE_TIDY, an A/B).
-TIDY = os.environ.get("KVTUNE_TIDY", "task")
+# entries for the next Store: Lifecycle.tidy_step): "answer" - all of it at the end of a Store whose answer
+# is out (the frames channel's early answer), before the next request is read; a Store answered only by its
+# return (gRPC) leaves it to "task" - a task of the cache, a step at a time between other requests - so its
+# reply never waits for it (KVTUNE_TIDY=task: always the task, an A/B). H100, 2 GiB batches, the same call:
+# the tree with the task everywhere (fdede74) against the one that did it all at the Store's end (d4da5e4):
+# 64 KiB Store 0.41-0.44 vs 0.50, Load 0.59 vs 0.71, 256 KiB Load 0.83-0.87 vs 0.89 (the task's steps run
+# while the next call's copy thread needs the GIL to launch; BENCHMARKS.md, "Lead, 2026-12-07 15:55").
+TIDY = os.environ.get("KVTUNE_TIDY", "answer")
 
 
 def when_copy_ends(fut: asyncio.Future, fn: Callable[[], object]) -> None:

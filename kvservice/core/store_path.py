@@ -71,7 +71,7 @@ class StorePath:
         self._store_latency.observe(time.perf_counter() - t0)
         pipeline.fail_unanswered(results, StoreStatus.FAILED)
         # the evicted entries freed, the next Store's new entries built: now if the engine has its answer
-        # (KVTUNE_TIDY=answer), else between requests
+        # (pipeline.TIDY), else between requests
         self._tidy_soon(answered=answer is not None and answer.sent)
         TRACE.mark(call, "end")
         return results

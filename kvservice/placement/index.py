@@ -124,9 +124,10 @@ class BlankEntries:
     blocks get theirs from here and set four fields each, where building one (an allocation and 20
     field writes, ~0.4-0.6 us a block on the CPU box, 1.5-2x that on the GPU hosts) was one of the
     largest parts of a small-block Store's time before its copies. refill() builds the list back up
-    to `limit` once a Store has been answered, a step at a time between other requests
-    (Lifecycle.tidy_step, in a task of BlockCache's); the daemon fills it at start. Only fresh objects: an entry that was ever taken is never
-    put back, so a stale reference elsewhere can never see another block through it.
+    to `limit` once a Store has been answered (Lifecycle.tidy_step: at the end of a Store answered early,
+    else a step at a time between requests; pipeline.TIDY); the daemon fills it at start. Only fresh
+    objects: an entry that was ever taken is never put back, so a stale reference elsewhere can never
+    see another block through it.
     `limit` entries are kept (~190 bytes each: 65536 = ~12 MiB of the daemon's fixed overhead)."""
 
     __slots__ = ("_free", "limit")
