@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -89,6 +90,7 @@ async def run(blocks: int, block_bytes: int, rounds: int, dma_gbps: float) -> di
     finally:
         await cache.drain_and_stop()
         pool.close()
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
