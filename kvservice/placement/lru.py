@@ -178,10 +178,10 @@ class StampLRU:
         `now`: Entry.pinned), taken out of the order in the same walk, oldest first. What a walk of
         oldest_first() filtered, then discard_many() of the result and its _trim, do with three
         passes over the victims: here each victim is read and written once, and the groups' fronts
-        move past the taken ones as the walk goes. CPU box, 2048 victims at a time from two 32768-
-        member batches that a Load refreshed (each member's older reference stale): 710-800 ns a
-        victim for the three passes, 464-535 for this walk and its trim (the trim still steps over
-        the stale references once). Members skipped (pinned) keep their places."""
+        move past the taken ones as the walk goes. CPU box (bench/lru_evict_probe.py: 2048 victims
+        at a time from two 32768-member batches that a Load refreshed, each member's older reference
+        stale): 710-1205 ns a victim for the three passes, 464-747 for this walk and its trim (the
+        trim still steps over the stale references once). Members skipped (pinned) keep their places."""
         out: list[Entry] = []
         if want <= 0 or not self._count:
             return out
