@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Choosing an evicting Store's victims from the host LRU: StampLRU.take_oldest against the three passes it
-replaced (oldest_first() walked a chunk at a time and filtered, the victims' positions cleared, the trim).
+replaced (oldest_first() walked a chunk at a time and filtered, then discard_many: positions cleared, the trim).
 
     .venv/bin/python bench/lru_evict_probe.py [--members 32768] [--part 2048] [--rounds 30]
 
@@ -51,15 +51,13 @@ def main() -> None:
     def three_passes(lru: StampLRU) -> list:
         chunk = list(itertools.islice(iter(lru.oldest_first()), a.part))
         victims = [e for e in chunk if not e.pins and e.lease_until <= 0.0]
-        for e in victims:
-            e.lru_pos = 0
-        lru.discarded(len(victims))
+        lru.discard_many(victims)
         return victims
 
     def one_walk(lru: StampLRU) -> list:
         return lru.take_oldest(a.part, 0.0)
 
-    ways = {"filtered walk + clear + trim": three_passes, "StampLRU.take_oldest": one_walk}
+    ways = {"filtered walk + discard_many": three_passes, "StampLRU.take_oldest": one_walk}
     res: dict[str, list[float]] = {k: [] for k in ways}
     for _ in range(a.rounds):
         for name, fn in ways.items():

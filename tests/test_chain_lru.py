@@ -33,6 +33,27 @@ class _Reference:
                 self.order[e] = e
 
 
+def _change(rng: random.Random, lru, ref: _Reference, op: int, chain: list, make, most: int) -> list:
+    """One change of the order, made to the LRU and the reference alike: 0 touch(chain), 1
+    touch_present(chain), 2 discard_many(chain), 3 add_new of 1..most-1 new blocks (returned)."""
+    if op == 0:
+        lru.touch(chain)
+        ref.touch(chain, present_only=False)
+    elif op == 1:
+        lru.touch_present(chain)
+        ref.touch(chain, present_only=True)
+    elif op == 2:
+        lru.discard_many(chain)
+        for e in chain:
+            ref.order.pop(e, None)
+    else:
+        new = [make() for _ in range(rng.randrange(1, most))]
+        lru.add_new(new)
+        ref.touch(new, present_only=False)
+        return new
+    return []
+
+
 @pytest.mark.parametrize("cls", [ChainLRU, StampLRU])
 def test_order_matches_an_ordered_dict_with_move_to_end(cls):
     """Scenario: 2000 random runs of 20 steps each over 30 blocks; after every step the oldest-first
@@ -44,20 +65,7 @@ def test_order_matches_an_ordered_dict_with_move_to_end(cls):
         for step in range(20):
             op = rng.randrange(4)
             chain = [rng.choice(blocks) for _ in range(rng.randrange(7))]
-            if op == 0:
-                lru.touch(chain)
-                ref.touch(chain, present_only=False)
-            elif op == 1:
-                lru.touch_present(chain)
-                ref.touch(chain, present_only=True)
-            elif op == 2:
-                lru.discard_many(chain)
-                for e in chain:
-                    ref.order.pop(e, None)
-            else:
-                new = [_Block() for _ in range(rng.randrange(1, 4))]
-                lru.add_new(new)
-                ref.touch(new, present_only=False)
+            _change(rng, lru, ref, op, chain, _Block, 4)
             assert list(lru.oldest_first()) == list(ref.order), (run, step)
             assert len(lru) == len(ref.order)
             assert all(e in lru for e in ref.order)
@@ -142,21 +150,8 @@ def test_take_oldest_is_a_filtered_walk_then_discard_and_lets_go_of_what_it_take
         for step in range(25):
             op = rng.randrange(6)
             chain = [rng.choice(blocks) for _ in range(rng.randrange(9))]
-            if op == 0:
-                lru.touch(chain)
-                ref.touch(chain, present_only=False)
-            elif op == 1:
-                lru.touch_present(chain)
-                ref.touch(chain, present_only=True)
-            elif op == 2:
-                new = [_Pinnable() for _ in range(rng.randrange(1, 12))]
-                blocks += new
-                lru.add_new(new)
-                ref.touch(new, present_only=False)
-            elif op == 3:
-                lru.discard_many(chain)
-                for e in chain:
-                    ref.order.pop(e, None)
+            if op < 4:
+                blocks += _change(rng, lru, ref, (0, 1, 3, 2)[op], chain, _Pinnable, 12)
             elif op == 4:
                 for e in chain:
                     e.pins = rng.randrange(2)

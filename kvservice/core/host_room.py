@@ -250,7 +250,7 @@ class HostRoom:
         dropped (no disk tier, or the gate says no) leave the host tier as one batch first (a disk
         plan of the rest may then forget a released one); the rest are planned one by one.
         plain: the victims are unpinned resident blocks of one size (make_host_room's fast path);
-        taken: with no disk tier, they left the LRU already (HostTier.take_oldest)."""
+        taken: plain ones, with no disk tier, out of the LRU already (HostTier.take_oldest)."""
         no_disk = self.disk is None
         rest: list[Entry] = []
         if no_disk:  # nowhere to spill: every victim is dropped
@@ -275,8 +275,8 @@ class HostRoom:
                 self.stats.bump(ns, "drops_no_disk" if no_disk else "drops_gate", k)
             for ns, k in (dropped + _count_namespaces(release) if release else dropped).items():
                 self.stats.bump(ns, "host_evictions", k)
-            if no_disk and plain:  # the usual batch with no disk tier: one pass
-                self.life.drop_plain(drop, taken=taken, by_ns=dropped)
+            if no_disk and taken:  # the usual batch with no disk tier, out of the LRU already: one pass
+                self.life.drop_plain(drop, dropped)
             else:
                 self.life.evict_many(release + drop if release else drop, plain=plain)
                 if drop:

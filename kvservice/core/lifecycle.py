@@ -460,15 +460,13 @@ class Lifecycle:
             self._left_host_plain(plain, size)
             self._wake_and_promote(plain)
 
-    def drop_plain(self, entries: Sequence[Entry], taken: bool = False,
-                   by_ns: Mapping[NamespaceId, int] | None = None) -> None:
+    def drop_plain(self, entries: Sequence[Entry], by_ns: Mapping[NamespaceId, int]) -> None:
         """evict_many(entries, plain=True), then forget_many(entries), in one pass over them: RESIDENT
         -> (absent) for victims with no disk copy and no disk tier to spill to (make_host_room's
-        usual batch when there is none: unpinned, resident, of one size, members of the LRU). Each
-        entry is touched once (LRU position, slot, index key) where the two calls walk the batch five
-        times (~1 us a block of an evicting 64 KiB Store on the CPU box, ~a third of its loop time).
-        taken: the entries left the LRU already (HostTier.take_oldest, the walk that chose them);
-        by_ns: how many of them each namespace has, where the caller counted them already."""
+        usual batch when there is none: unpinned, resident, of one size, taken out of the LRU already
+        by HostTier.take_oldest, the walk that chose them). Each entry is touched once (slot, index
+        key) where the two calls walk the batch five times (~1 us a block of an evicting 64 KiB Store
+        on the CPU box, ~a third of its loop time). by_ns: how many of them each namespace has."""
         if not entries:
             return
         assert self.disk is None, "drop_plain is for a host tier with no disk tier"
@@ -478,16 +476,13 @@ class Lifecycle:
         add = free.append
         marked: list[Entry] = []  # retained or once leased: their books, after the pass
         for e in entries:  # a plain loop: faster than map(attrgetter) on slotted entries
-            e.lru_pos = 0
             add(e.slot)
             e.slot = -1
             if e.deadline or e.lease_until:
                 marked.append(e)
-        if not taken:
-            host.lru_discarded(len(entries))
         host.arena.free(free, size)
         host.used_bytes -= len(free) * size
-        self._left_host_plain(marked, size, counted=entries, by_ns=by_ns)
+        self._left_host_plain(marked, size, by_ns=by_ns)
         for e in marked:
             if e.deadline:
                 self.retention.forget(e)
@@ -851,11 +846,11 @@ class Lifecycle:
         if e.disk == DiskState.ON_DISK:
             self.ns_counts.disk(e.namespace, -1, -e.size)
 
-    def _left_host_plain(self, plain: Sequence[Entry], size: int, counted: Sequence[Entry] | None = None,
+    def _left_host_plain(self, plain: Sequence[Entry], size: int,
                          by_ns: Mapping[NamespaceId, int] | None = None) -> None:
         """evict_many's plain victims (resident, indexed, unpinned, of one size) left the host tier.
-        counted: all of them, where `plain` holds only those with a lease or a deadline (drop_plain's);
-        by_ns: their count per namespace, when the caller has it (not counted again)."""
+        by_ns: the count per namespace of all of them, when the caller has it (drop_plain's: `plain`
+        then holds only those with a lease or a deadline)."""
         counts = self.host.counts
         leased, retained = counts.leased.live, counts.retained.live
         if leased or retained:
@@ -868,7 +863,6 @@ class Lifecycle:
             for ns, k in by_ns.items():
                 self.ns_counts.host(ns, -k, -k * size)
             return
-        plain = plain if counted is None else counted
         ns = plain[0].namespace
         if countOf(map(_namespace_of, plain), ns) == len(plain):  # (the usual batch: one namespace)
             self.ns_counts.host(ns, -len(plain), -len(plain) * size)

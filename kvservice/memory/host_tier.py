@@ -115,10 +115,6 @@ class HostTier:
         (StampLRU.take_oldest): the caller evicts every one of them before it awaits."""
         return self._lru.take_oldest(want, now)
 
-    def lru_discarded(self, n: int) -> None:
-        """n members left the LRU, their lru_pos zeroed by the caller (StampLRU.discarded)."""
-        self._lru.discarded(n)
-
     def touch(self, chain: Sequence[Entry]) -> None:
         self._lru.touch_present(chain)
 

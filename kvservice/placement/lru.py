@@ -165,14 +165,6 @@ class StampLRU:
             self._version += 1
             self._trim()
 
-    def discarded(self, n: int) -> None:
-        """n members left whose lru_pos the caller has set to 0 itself (in a pass of its own over
-        them, Lifecycle.drop_plain): discard_many's books without a second walk."""
-        if n:
-            self._count -= n
-            self._version += 1
-            self._trim()
-
     def take_oldest(self, want: int, now: float) -> list[Entry]:
         """Up to `want` of the oldest members that may be evicted now (no pin, no lease running at
         `now`: Entry.pinned), taken out of the order in the same walk, oldest first. What a walk of
@@ -180,7 +172,7 @@ class StampLRU:
         passes over the victims: here each victim is read and written once, and the groups' fronts
         move past the taken ones as the walk goes. CPU box (bench/lru_evict_probe.py: 2048 victims
         at a time from two 32768-member batches that a Load refreshed, each member's older reference
-        stale): 710-1205 ns a victim for the three passes, 464-747 for this walk and its trim (the
+        stale): 710-1231 ns a victim for the three passes, 444-752 for this walk and its trim (the
         trim still steps over the stale references once). Members skipped (pinned) keep their places."""
         out: list[Entry] = []
         if want <= 0 or not self._count:
