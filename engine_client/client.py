@@ -43,6 +43,7 @@ from engine_client.lookup_channel import AsyncLookupChannel, ChannelDown
 from engine_client.namespace import Namespace
 from engine_client.registration import register, unix_socket_path
 from engine_client.results import LoadResults, PrefetchStatuses, StoreResults
+from kvwire.ids import MAX_BLOCKS_PER_KEY
 from kvwire.lookup_frames import MAX_REPLY_BYTES, data_request_parts
 from kvwire.v1 import kvcache_pb2, kvcache_pb2_grpc
 
@@ -106,6 +107,7 @@ class AsyncKVClient:
         heartbeat_timeout: float = 2.0,
         open_timeout: float = 10.0,
         lookup_channel: bool = True,
+        blocks_per_key: int = 1,
     ) -> None:
         """`target`: the daemon's socket_path, as "unix:///path/to.sock" or a bare absolute path (the data
         plane is served on Unix sockets only; the pool registers on "<path>.reg").
@@ -114,7 +116,15 @@ class AsyncKVClient:
         each data RPC, `heartbeat_timeout` each Heartbeat/CloseSession, `open_timeout` OpenSession.
         lookup_channel=False sends every Lookup over gRPC (by default Lookup goes over the daemon's
         Lookup channel when the session names one: lookup_channel.py).
+
+        blocks_per_key = k > 1: the daemon keeps k pool blocks as one block (a key: its per-block
+        bookkeeping is paid once per k blocks, as vLLM's offloaded block size or LMCache's chunks);
+        hash chains in keys (`namespace.tokens_per_block` = the tokens of k pool blocks) and name k
+        pool block ids per hash, a key's in order: store(hashes, ids) with len(ids) = k x len(hashes).
         """
+        if not 1 <= blocks_per_key <= MAX_BLOCKS_PER_KEY:
+            raise ValueError(f"blocks_per_key must be 1..{MAX_BLOCKS_PER_KEY}, got {blocks_per_key}")
+        self.blocks_per_key = blocks_per_key
         self.target = f"unix://{target}" if target.startswith("/") else target
         self.namespace = namespace
         self.hasher = BlockHasher(namespace)
@@ -194,6 +204,8 @@ class AsyncKVClient:
         if self._stub is not None:
             raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "connect() was already called")
         self._pool_desc = self._pool.description()
+        if self.blocks_per_key > 1:
+            self._pool_desc.blocks_per_key = self.blocks_per_key
         self._wake = asyncio.Event()
         self._channel = grpc.aio.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
         self._stub = kvcache_pb2_grpc.KVCacheStub(self._channel)
@@ -271,13 +283,14 @@ class AsyncKVClient:
         The answer reads like a list of StoreResult (status, deadline, message) and keeps the
         daemon's arrays (statuses, deadlines, messages).
         """
-        packed, ids = _pack_refs(hashes, block_ids)
+        k = self.blocks_per_key
+        packed, ids = _pack_refs(hashes, block_ids, k)
         out = StoreResults()
         await self._batched(
-            "Store", len(ids),
+            "Store", len(hashes),
             # the frames channel's request; _call makes the gRPC one only if it must go there
             lambda sid, lo, hi: _DataRequest(kvcache_pb2.STORE, sid, packed[lo * HASH_BYTES:hi * HASH_BYTES],
-                                             ids[lo:hi], ttl_seconds),
+                                             ids[lo * k:hi * k], ttl_seconds),
             lambda reply: (reply.statuses, reply.deadlines),
             lambda reply: out.extend(reply.statuses, reply.deadlines, reply.messages),
             lambda k: out.fill(k, kvcache_pb2.NOT_STORED, UNREACHABLE),
@@ -291,12 +304,13 @@ class AsyncKVClient:
         message "daemon unreachable" for every block. The answer reads like a list of
         LoadResult (status, tier, message) and keeps the arrays (statuses, tiers, messages).
         """
-        packed, ids = _pack_refs(hashes, block_ids)
+        k = self.blocks_per_key
+        packed, ids = _pack_refs(hashes, block_ids, k)
         out = LoadResults()
         await self._batched(
-            "Load", len(ids),
+            "Load", len(hashes),
             lambda sid, lo, hi: _DataRequest(kvcache_pb2.LOAD, sid, packed[lo * HASH_BYTES:hi * HASH_BYTES],
-                                             ids[lo:hi]),  # as store(): the gRPC one only if needed
+                                             ids[lo * k:hi * k]),  # as store(): the gRPC one only if needed
             lambda reply: (reply.statuses, reply.tiers),
             lambda reply: out.extend(reply.statuses, reply.tiers, reply.messages),
             lambda k: out.fill(k, kvcache_pb2.MISSING, UNREACHABLE),
@@ -652,8 +666,8 @@ def _pack(hashes: Sequence[bytes]) -> bytes:
     return packed
 
 
-def _pack_refs(hashes: Sequence[bytes], block_ids: Sequence[int]) -> tuple[bytes, list[int]]:
-    if len(hashes) != len(block_ids):
+def _pack_refs(hashes: Sequence[bytes], block_ids: Sequence[int], k: int = 1) -> tuple[bytes, list[int]]:
+    if len(hashes) * k != len(block_ids):
         raise KVClientError(grpc.StatusCode.INVALID_ARGUMENT,
                             f"{len(hashes)} hashes but {len(block_ids)} block ids")
     return _pack(hashes), list(block_ids)

@@ -11,3 +11,4 @@ BlockId = NewType("BlockId", int)  # index of a block in an engine's registered 
 SessionId = NewType("SessionId", str)
 
 HASH_BYTES = 32
+MAX_BLOCKS_PER_KEY = 16  # PoolDescription.blocks_per_key: a daemon block (key) of at most 16 engine blocks

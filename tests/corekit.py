@@ -26,8 +26,8 @@ def ns_spec(model: str = "m", rank: int = 0, size: int = 1) -> NamespaceSpec:
 class Pool:
     """An engine pool in POSIX shared memory, block-contiguous."""
 
-    def __init__(self, num_blocks: int = 16, block_bytes: int = BLOCK) -> None:
-        self.num_blocks, self.block_bytes = num_blocks, block_bytes
+    def __init__(self, num_blocks: int = 16, block_bytes: int = BLOCK, blocks_per_key: int = 1) -> None:
+        self.num_blocks, self.block_bytes, self.blocks_per_key = num_blocks, block_bytes, blocks_per_key
         self.shm = shared_memory.SharedMemory(create=True, size=num_blocks * block_bytes)
 
     @property
@@ -35,7 +35,8 @@ class Pool:
         """What the registration socket would build: the layout and a new descriptor of the segment
         (the cache consumes it), as an engine passes it with SCM_RIGHTS."""
         n, bb = self.num_blocks, self.block_bytes
-        return PoolSpec("shm", n, (PoolRegion(0, bb, bb),), n * bb, shm_fd=os.dup(self.shm._fd))
+        return PoolSpec("shm", n, (PoolRegion(0, bb, bb),), n * bb, shm_fd=os.dup(self.shm._fd),
+                        blocks_per_key=self.blocks_per_key)
 
     def write(self, block_id: int, data: bytes) -> None:
         self.shm.buf[block_id * self.block_bytes:(block_id + 1) * self.block_bytes] = data

@@ -14,14 +14,16 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from kvservice.core.sessions_api import NamespaceSpec, OpenedSession, PoolRegion, PoolSpec, SessionInfo
 from kvservice.ops.stats import Counters, Histogram
 from kvservice.core.types import HASH_BYTES, CacheError, ErrorCode, LoadResults, PrefetchResult, StoreResults
+from kvwire.ids import MAX_BLOCKS_PER_KEY
 from kvwire.v1 import admin_pb2, kvcache_pb2
 
 CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t) == sizeof(cudaIpcEventHandle_t)
 MAX_LABEL_CHARS = 256  # model ids, dtypes, layouts, salts, client names
 UINT32_MAX = (1 << 32) - 1
 # the most one block adds to a data or admin request: a packed Store/Load block is 32 hash bytes plus
-# a packed uint32 id (<= 5 bytes), a hash as hex text (Admin.DescribeBlocks) 67
-REQUEST_BYTES_PER_BLOCK = 96
+# its packed uint32 ids (<= 5 bytes each, MAX_BLOCKS_PER_KEY of them), a hash as hex text
+# (Admin.DescribeBlocks) 67
+REQUEST_BYTES_PER_BLOCK = 32 + 5 * MAX_BLOCKS_PER_KEY + 16
 REQUEST_BASE_BYTES = 2 << 20  # session id, namespace id, options: an odd 1 MiB string still gets its reason
 
 
@@ -99,12 +101,20 @@ def pool_spec(request: kvcache_pb2.OpenSessionRequest, shm_fd: int = -1) -> Pool
         regions.append(PoolRegion(offset=r.offset, block_stride=r.block_stride, block_bytes=r.block_bytes))
     if sum(r.block_bytes for r in regions) > UINT32_MAX:
         raise _invalid("pool block size (sum of regions' block_bytes) must fit in 32 bits")
+    per_key = pool.blocks_per_key or 1
+    if per_key > MAX_BLOCKS_PER_KEY:
+        raise _invalid(f"pool.blocks_per_key must be 1..{MAX_BLOCKS_PER_KEY} (0 means 1), got {per_key}")
+    if per_key > pool.num_blocks:
+        raise _invalid(f"pool.blocks_per_key {per_key} is more than the pool's {pool.num_blocks} blocks")
+    if sum(r.block_bytes for r in regions) * per_key > UINT32_MAX:
+        raise _invalid("a daemon block (pool block size x blocks_per_key) must fit in 32 bits")
 
     if kind == "shm":
         if shm_fd < 0:
             raise _invalid("pool.shm: the segment's file descriptor must travel with the registration (SCM_RIGHTS); "
                            "the daemon never opens a segment by name")
-        return PoolSpec(kind="shm", num_blocks=pool.num_blocks, regions=tuple(regions), size=size, shm_fd=shm_fd)
+        return PoolSpec(kind="shm", num_blocks=pool.num_blocks, regions=tuple(regions), size=size, shm_fd=shm_fd,
+                        blocks_per_key=per_key)
     cuda = pool.cuda
     if len(cuda.handle) != CUDA_IPC_HANDLE_BYTES:
         raise _invalid(f"pool.cuda.handle must be {CUDA_IPC_HANDLE_BYTES} bytes, got {len(cuda.handle)}")
@@ -121,6 +131,7 @@ def pool_spec(request: kvcache_pb2.OpenSessionRequest, shm_fd: int = -1) -> Pool
         cuda_device_index=cuda.device_index,
         cuda_device_uuid=_label("pool.cuda.device_uuid", cuda.device_uuid, required=False),
         cuda_event_handle=cuda.event_handle,
+        blocks_per_key=per_key,
     )
 
 

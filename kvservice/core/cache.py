@@ -35,6 +35,7 @@ from kvservice.core.clock import Clock
 from kvservice.ops.config import Config
 from kvservice.memory.engine_memory import open_engine_memory
 from kvservice.memory.host_arena import HostArena
+from kvservice.memory.key_groups import KeyIds
 from kvservice.placement.index import DiskState
 from kvservice.disk.io_backend import BlockIO, open_backend
 from kvservice.disk.io_throttle import throttled
@@ -142,9 +143,9 @@ class BlockCache(StorePath, LoadPath, PrefetchPath):
             if self._stopping:
                 raise CacheError(ErrorCode.UNAVAILABLE, "daemon is shutting down")
             self._sessions.check_room(peer.uid)
-            if self.arena.max_slots(pool.block_bytes) == 0:
+            if self.arena.max_slots(pool.key_bytes) == 0:
                 raise CacheError(ErrorCode.FAILED_PRECONDITION,
-                                 f"a block of {pool.block_bytes} bytes does not fit the host tier's "
+                                 f"a block of {pool.key_bytes} bytes does not fit the host tier's "
                                  f"{self.arena.segment_bytes}-byte arena segments: raise --host-capacity")
         except BaseException:
             if pool.shm_fd >= 0:
@@ -158,10 +159,10 @@ class BlockCache(StorePath, LoadPath, PrefetchPath):
             memory.close()
             raise
         s = self._sessions.open(rec.id, pool, memory, client_name[:200], peer, canary, self.clock.now())
-        log.info("session %s opened: uid %d pid %d, namespace %s (model %s), %d blocks of %d bytes, client %s",
-                 s.label, peer.uid, peer.pid, rec.id, quoted(ns.model_id), pool.num_blocks, pool.block_bytes,
-                 quoted(client_name))
-        return OpenedSession(s.id, rec.id, self.config.lease_seconds, self.config.max_batch_blocks, pool.block_bytes,
+        log.info("session %s opened: uid %d pid %d, namespace %s (model %s), %d blocks of %d bytes (%d a key), "
+                 "client %s", s.label, peer.uid, peer.pid, rec.id, quoted(ns.model_id), pool.num_blocks,
+                 pool.block_bytes, pool.blocks_per_key, quoted(client_name))
+        return OpenedSession(s.id, rec.id, self.config.lease_seconds, self.config.max_batch_blocks, pool.key_bytes,
                              s.label)
 
     def session_peer(self, session_id: str) -> Peer | None:
@@ -241,12 +242,21 @@ class BlockCache(StorePath, LoadPath, PrefetchPath):
                 raise CacheError(ErrorCode.INVALID_ARGUMENT, f"hash #{i} has {len(h)} bytes, expected {HASH_BYTES}")
         return hs
 
-    def _block_ids(self, s: Session, n: int, block_ids: Sequence[int]) -> list[int]:
-        """Engine block ids, one per hash, inside the session's pool, none twice. A large batch off
-        the wire (a protobuf repeated field: numpy reads it without a Python int per id) is checked
-        with numpy (range, and duplicates by marking a table of the pool's blocks): ~0.02 vs ~0.07 us
-        a block; a list (in-process callers) is as fast through the Python checks."""
-        if n >= _NUMPY_IDS and not isinstance(block_ids, list) and len(block_ids) == n:
+    def _block_ids(self, s: Session, n: int, block_ids: Sequence[int]) -> list[int] | KeyIds:
+        """Engine block ids, one per hash (k per hash, as KeyIds, for a pool of blocks_per_key k > 1),
+        inside the session's pool, none twice. A large batch off the wire (a protobuf repeated field,
+        or the frames channel's array: numpy reads it without a Python int per id) is checked with
+        numpy (range, and duplicates by marking a table of the pool's blocks): ~0.02 vs ~0.07 us a
+        block; a list (in-process callers) is as fast through the Python checks."""
+        k = s.pool.blocks_per_key
+        if k == 1:
+            return self._engine_ids(s, n, block_ids, 1)
+        a = self._engine_ids(s, n * k, block_ids, k, as_array=True)
+        return KeyIds(np.asarray(a, dtype=np.int64).reshape(n, k))
+
+    def _engine_ids(self, s: Session, m: int, block_ids: Sequence[int], k: int, as_array: bool = False):
+        """_block_ids' checks of m ids (k per hash): a list of ints (an int64 array when as_array)."""
+        if m >= _NUMPY_IDS and not isinstance(block_ids, list) and len(block_ids) == m:
             try:
                 a = np.asarray(block_ids)
             except (OverflowError, ValueError, TypeError):
@@ -256,13 +266,15 @@ class BlockCache(StorePath, LoadPath, PrefetchPath):
                 if int(a.min()) >= 0 and int(a.max()) < pool_blocks:
                     mark = np.zeros(pool_blocks, dtype=np.bool_)
                     mark[a] = True
-                    if int(np.count_nonzero(mark)) == n:
-                        return a.tolist()
+                    if int(np.count_nonzero(mark)) == m:
+                        return a.astype(np.int64, copy=False) if as_array else a.tolist()
         # small batches, and any batch the checks above refused: say why (an array off the frames channel: as ints)
         ids = block_ids.tolist() if isinstance(block_ids, np.ndarray) else list(block_ids)
-        if len(ids) != n:
+        if len(ids) != m:
+            per = ("one engine block per hash" if k == 1 else
+                   f"{k} engine blocks per hash, a hash's in order (the pool's blocks_per_key)")
             raise CacheError(ErrorCode.INVALID_ARGUMENT,
-                             f"{len(ids)} block_ids for {n} hashes: block_ids must name one engine block per hash")
+                             f"{len(ids)} block_ids for {m // k} hashes: block_ids must name {per}")
         if not ids:
             return ids
         pool_blocks = s.pool.num_blocks
@@ -270,7 +282,7 @@ class BlockCache(StorePath, LoadPath, PrefetchPath):
             i, b = next((i, b) for i, b in enumerate(ids) if not 0 <= b < pool_blocks)
             raise CacheError(ErrorCode.INVALID_ARGUMENT,
                              f"block_id {b} (#{i}) is outside the pool's {pool_blocks} blocks")
-        if len(set(ids)) != n:
+        if len(set(ids)) != m:
             raise CacheError(ErrorCode.INVALID_ARGUMENT, "a block_id appears twice in one batch")
         return ids
 

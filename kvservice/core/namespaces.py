@@ -28,6 +28,8 @@ def namespace_id(ns: NamespaceSpec, pool: PoolSpec, tenant: str = "") -> Namespa
     h = hashlib.blake2b(digest_size=16)
     parts = [ns.model_id, ns.kv_dtype, str(ns.tokens_per_block), ns.layout, str(ns.tp_rank), str(ns.tp_size),
              ns.cache_salt, ",".join(str(r.block_bytes) for r in pool.regions)]
+    if pool.blocks_per_key > 1:  # a key of k engine blocks is other bytes than one block (1: the ids of before)
+        parts.append(f"blocks_per_key={pool.blocks_per_key}")
     for part in parts + ([f"tenant={tenant}"] if tenant else []):
         b = part.encode()
         h.update(len(b).to_bytes(4, "little") + b)
@@ -75,7 +77,7 @@ class NamespaceRegistry:
         ns_id = namespace_id(ns, pool, tenant)
         rec = self.records.get(ns_id)
         if rec is None:
-            rec = NamespaceRecord(ns_id, ns, pool.block_bytes, self._load_canary(ns_id))
+            rec = NamespaceRecord(ns_id, ns, pool.key_bytes, self._load_canary(ns_id))
             self.records[ns_id] = rec
         rec.spec = rec.spec or ns
         self.check_canary(ns_id, canary)

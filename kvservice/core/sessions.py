@@ -35,7 +35,8 @@ class Session:
 
     @property
     def block_bytes(self) -> int:
-        return self.pool.block_bytes
+        """Bytes of one of this session's daemon blocks (blocks_per_key engine blocks)."""
+        return self.pool.key_bytes
 
 
 class SessionTable:

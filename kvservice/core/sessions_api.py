@@ -59,10 +59,17 @@ class PoolSpec:
     cuda_device_index: int = -1
     cuda_device_uuid: str = ""
     cuda_event_handle: bytes = b""
+    blocks_per_key: int = 1  # engine blocks per daemon block (PoolDescription.blocks_per_key)
 
     @property
     def block_bytes(self) -> int:
+        """Bytes of one engine block (the sum of its rows in every region)."""
         return sum(r.block_bytes for r in self.regions)
+
+    @property
+    def key_bytes(self) -> int:
+        """Bytes of one daemon block of this pool: blocks_per_key engine blocks, back to back."""
+        return self.block_bytes * self.blocks_per_key
 
 
 @dataclass(frozen=True, slots=True)

@@ -736,12 +736,13 @@ class CudaEngineMemory:
             col += v.shape[1]
 
     # --- EngineMemory
-    def alloc_host(self, n: int) -> list[torch.Tensor]:
-        """n pinned host rows of block_bytes, back to back in power-of-two chunks."""
+    def alloc_host(self, n: int, row_bytes: int = 0) -> list[torch.Tensor]:
+        """n pinned host rows of row_bytes (0: block_bytes), back to back in power-of-two chunks."""
+        rb = row_bytes or self.block_bytes
         rows: list[torch.Tensor] = []
         with torch.cuda.device(self._dev.index):  # pinned memory belongs to a context: this device's
-            for k in chunk_rows(n, self.block_bytes):
-                rows.extend(_pinned((k, self.block_bytes)).unbind(0))
+            for k in chunk_rows(n, rb):
+                rows.extend(_pinned((k, rb)).unbind(0))
         return rows
 
     def gather(self, block_ids: Sequence[int]) -> list[torch.Tensor]:

@@ -29,6 +29,7 @@ import torch
 from kvservice.checksum import checksum
 from kvservice.memory.engine_pool import EngineMemory, InFlight, validate_layout
 from kvservice.memory.host_arena import HostArena, runs
+from kvservice.memory.key_groups import KeyGroupMemory
 from kvservice.core.sessions_api import PoolSpec
 from kvservice.core.types import CacheError, ErrorCode
 
@@ -128,7 +129,7 @@ class ShmEngineMemory:
             rows = arena.base[off:off + n * bb]
             yield idx[first:first + n], rows.view(torch.int64).view(n, bb // 8) if self._word == 8 else rows.view(n, bb)
 
-    def alloc_host(self, n: int) -> list[None]:
+    def alloc_host(self, n: int, row_bytes: int = 0) -> list[None]:
         return [None] * n  # any CPU buffer will do: the reader allocates its own
 
     def scatter(self, block_ids: Sequence[int], srcs: Sequence[torch.Tensor]) -> None:
@@ -170,10 +171,13 @@ class ShmEngineMemory:
 
 
 def open_engine_memory(spec: PoolSpec) -> EngineMemory:
+    """The pool's memory, in daemon blocks: a pool of blocks_per_key > 1 through KeyGroupMemory."""
     if spec.kind == "shm":
-        return ShmEngineMemory(spec)
-    if spec.kind == "cuda":
+        memory: EngineMemory = ShmEngineMemory(spec)
+    elif spec.kind == "cuda":
         from kvservice.memory.cuda_memory import CudaEngineMemory  # lazy: CPU hosts never load CUDA libraries
 
-        return CudaEngineMemory(spec)
-    raise CacheError(ErrorCode.INVALID_ARGUMENT, f"unknown pool kind {spec.kind!r}")
+        memory = CudaEngineMemory(spec)
+    else:
+        raise CacheError(ErrorCode.INVALID_ARGUMENT, f"unknown pool kind {spec.kind!r}")
+    return KeyGroupMemory(memory, spec.blocks_per_key) if spec.blocks_per_key > 1 else memory

@@ -116,16 +116,18 @@ class CudaIpcHandle(_message.Message):
     def __init__(self, handle: _Optional[bytes] = ..., device_index: _Optional[int] = ..., device_uuid: _Optional[str] = ..., size: _Optional[int] = ..., event_handle: _Optional[bytes] = ...) -> None: ...
 
 class PoolDescription(_message.Message):
-    __slots__ = ("num_blocks", "regions", "shm", "cuda")
+    __slots__ = ("num_blocks", "regions", "shm", "cuda", "blocks_per_key")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     CUDA_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_PER_KEY_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     regions: _containers.RepeatedCompositeFieldContainer[PoolRegion]
     shm: ShmHandle
     cuda: CudaIpcHandle
-    def __init__(self, num_blocks: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[PoolRegion, _Mapping]]] = ..., shm: _Optional[_Union[ShmHandle, _Mapping]] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
+    blocks_per_key: int
+    def __init__(self, num_blocks: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[PoolRegion, _Mapping]]] = ..., shm: _Optional[_Union[ShmHandle, _Mapping]] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., blocks_per_key: _Optional[int] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("namespace", "pool", "hash_canary", "client_name")
