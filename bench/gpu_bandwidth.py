@@ -3,7 +3,7 @@
 
     python bench/gpu_bandwidth.py [--sizes 2048,256,64] [--batch-mib 2048,4096] [--layouts layer-first,block-contiguous]
                                   [--reps 5] [--disk-dir DIR] [--io-threads 8] [--out results.json] [--profile DIR]
-                                  [--skip datapath,host,disk]
+                                  [--skip datapath,host,disk] [--blocks-per-key 1,4,16]
 
 This process is the engine: it owns a CudaKVPool (random bytes) and talks to real daemons
 (`python -m kvservice serve --io-backend auto`) through engine_client over their Unix sockets.
@@ -22,7 +22,8 @@ random order:
   host tier   Store and Load through a fresh daemon per batch size (engine view: KVClient, gRPC,
               cache, copies), host tier of two batches; the first case's first Store is the fresh
               daemon's first (reported on its own), then the median of --reps after 2 warm-ups.
-              Every Load is byte-checked against its source blocks.
+              Every Load is byte-checked against its source blocks. --blocks-per-key: each block size also
+              with the engine's blocks k to a daemon block (KVClient(blocks_per_key=k)): rows "<layout>, k a key".
   disk tier   (first batch size) block-contiguous, host tier of one batch: Store A, then Store B pushes
               A to disk; spill GB/s runs from Store B until every spill is written and sync() returned.
               Then every block file is evicted from the page cache (posix_fadvise DONTNEED, and
@@ -226,13 +227,14 @@ def Daemon(workdir: Path, tag: str, host: int, disk_dir: str = "", disk: int = 0
                                 "--writer-threads", str(threads)])
 
 
-def client_for(daemon: Daemon, view: PoolView, tag: str):
+def client_for(daemon: Daemon, view: PoolView, tag: str, per_key: int = 1):
+    """An engine's KVClient on the view; per_key > 1: the daemon keeps per_key blocks as one (blocks_per_key)."""
     from engine_client import KVClient, Namespace
 
-    ns = Namespace(f"bench-{tag}-{view.block_bytes}-{view.layout}", "bfloat16", 16, view.layout)
+    ns = Namespace(f"bench-{tag}-{view.block_bytes}-{view.layout}", "bfloat16", 16 * per_key, view.layout)
     # KVBENCH_GRPC_ONLY=1: Store and Load over gRPC instead of the frames channel (an A/B of the transport)
     c = KVClient(daemon.target, ns, view, client_name="bench/gpu_bandwidth.py", timeout=600.0,
-                 lookup_channel=os.environ.get("KVBENCH_GRPC_ONLY", "0") != "1")
+                 lookup_channel=os.environ.get("KVBENCH_GRPC_ONLY", "0") != "1", blocks_per_key=per_key)
     c.connect(required=True)
     return c
 
@@ -263,76 +265,78 @@ def _check(results, status: int, what: str, tier: int | None = None) -> None:
 
 
 def host_tier(pool, workdir: Path, sizes: list[int], batch: int, reps: int,
-              layouts: list[str], pyspy_dir: str = "") -> tuple[list[dict], str]:
+              layouts: list[str], pyspy_dir: str = "", keys: list[int] = (1,)) -> tuple[list[dict], str]:
     """A fresh daemon per batch size: the first (layout, size) case's first Store is the daemon's first.
-    pyspy_dir: sample the daemon with py-spy during each case's rounds (bench/daemon_sampling.py; one raw file a case)."""
+    pyspy_dir: sample the daemon with py-spy during each case's rounds (bench/daemon_sampling.py; one raw file a case).
+    keys: blocks_per_key values run for each size (k > 1: the engine's blocks k to a daemon block; the
+    same engine blocks and bytes per call, a k-th of the hashes)."""
     from daemon_sampling import recording
     out = []
     # two batches: from the third Store on, each evicts one (steady state)
     with Daemon(workdir, f"host{batch >> 20}", host=2 * batch) as d:
-        for layout in layouts:
-            for kib in sizes:
-                bb = kib * KiB
-                view = PoolView(pool, bb, layout)
-                n = batch // bb
-                rng = random.Random(kib)
-                ids = list(range(view.num_blocks))
-                c = client_for(d, view, "host")
+        for layout, kib, per_key in [(lo, kib, k) for lo in layouts for kib in sizes for k in keys]:
+            bb = kib * KiB
+            view = PoolView(pool, bb, layout)
+            n = batch // bb
+            rng = random.Random(kib)
+            ids = list(range(view.num_blocks))
+            c = client_for(d, view, "host", per_key)
 
-                def daemon_seconds(name: str) -> float:
-                    """The daemon's own time in Store / Load so far (Admin.Stats latency sums): cache + copies, no gRPC."""
-                    return next((x.sum for x in d.admin("Stats").latencies if x.name == name), 0.0)
-                spy = contextlib.ExitStack()
-                try:
-                    if pyspy_dir:  # the rounds only: not the client's connect, not the Evict below
-                        spy.enter_context(recording(  # KVBENCH_PYSPY_GIL=1: only the thread holding the GIL
-                            d.proc.pid, os.path.join(pyspy_dir, f"host-{batch >> 20}MiB-{layout}-{kib}KiB.txt"),
-                            gil=os.environ.get("KVBENCH_PYSPY_GIL") == "1"))
-                    st, lt, dst_t, dlt, exact, first = [], [], [], [], True, 0.0
-                    rounds: list[list[float]] = []  # per round: store, daemon's store, load, daemon's load (ms)
-                    for rep in range(reps + WARMUP):
-                        rng.shuffle(ids)
-                        src, dst = ids[:n], ids[n:2 * n]
-                        hs = new_hashes(n)
-                        ds0 = daemon_seconds("store")
-                        t0 = time.perf_counter()
-                        rs = c.store(hs, src)
-                        t_store = time.perf_counter() - t0
-                        ds1 = daemon_seconds("store")
-                        _check(rs, 1, "Store")
-                        if rep == 0:
-                            first = t_store  # the first Store of this namespace (of the daemon, for the first row)
-                        view.poison(dst)
-                        dl0 = daemon_seconds("load")
-                        t1 = time.perf_counter()
-                        rs = c.load(hs, dst)
-                        t_load = time.perf_counter() - t1
-                        dl1 = daemon_seconds("load")
-                        _check(rs, 1, "Load", tier=2)
-                        if rep >= WARMUP:
-                            st.append(t_store)
-                            lt.append(t_load)
-                            dst_t.append(ds1 - ds0)
-                            dlt.append(dl1 - dl0)
-                        exact = exact and view.blocks_equal(src, dst)  # every load, byte for byte
-                        rounds.append([round(1e3 * x, 2) for x in (t_store, ds1 - ds0, t_load, dl1 - dl0)])
-                    spy.close()
-                    row = {"block_kib": kib, "layout": layout, "blocks": n, "batch_bytes": n * bb,
-                           "store_gbps": n * bb / statistics.median(st) / 1e9,
-                           "store_first_gbps": n * bb / first / 1e9,
-                           "load_gbps": n * bb / statistics.median(lt) / 1e9, "exact": exact,
-                           "daemon_store_gbps": n * bb / max(1e-9, statistics.median(dst_t)) / 1e9,
-                           "daemon_load_gbps": n * bb / max(1e-9, statistics.median(dlt)) / 1e9,
-                           "rounds_ms": rounds}
-                    print(f"  host {layout:16s} {kib:5d} KiB: store {row['store_gbps']:.1f} GB/s "
-                          f"(first {row['store_first_gbps']:.1f}), "
-                          f"load {row['load_gbps']:.1f} GB/s, exact={exact}; rounds (store, daemon, load, daemon ms): "
-                          f"{rounds}", flush=True)
-                    out.append(row)
-                finally:
-                    spy.close()
-                    c.close()
-                d.admin("Evict", all=True)
+            def daemon_seconds(name: str) -> float:
+                """The daemon's own time in Store / Load so far (Admin.Stats latency sums): cache + copies, no gRPC."""
+                return next((x.sum for x in d.admin("Stats").latencies if x.name == name), 0.0)
+            spy = contextlib.ExitStack()
+            try:
+                if pyspy_dir:  # the rounds only: not the client's connect, not the Evict below
+                    spy.enter_context(recording(  # KVBENCH_PYSPY_GIL=1: only the thread holding the GIL
+                        d.proc.pid, os.path.join(pyspy_dir, f"host-{batch >> 20}MiB-{layout}-{kib}KiB.txt"),
+                        gil=os.environ.get("KVBENCH_PYSPY_GIL") == "1"))
+                st, lt, dst_t, dlt, exact, first = [], [], [], [], True, 0.0
+                rounds: list[list[float]] = []  # per round: store, daemon's store, load, daemon's load (ms)
+                for rep in range(reps + WARMUP):
+                    rng.shuffle(ids)
+                    src, dst = ids[:n], ids[n:2 * n]
+                    hs = new_hashes(n // per_key)
+                    ds0 = daemon_seconds("store")
+                    t0 = time.perf_counter()
+                    rs = c.store(hs, src)
+                    t_store = time.perf_counter() - t0
+                    ds1 = daemon_seconds("store")
+                    _check(rs, 1, "Store")
+                    if rep == 0:
+                        first = t_store  # the first Store of this namespace (of the daemon, for the first row)
+                    view.poison(dst)
+                    dl0 = daemon_seconds("load")
+                    t1 = time.perf_counter()
+                    rs = c.load(hs, dst)
+                    t_load = time.perf_counter() - t1
+                    dl1 = daemon_seconds("load")
+                    _check(rs, 1, "Load", tier=2)
+                    if rep >= WARMUP:
+                        st.append(t_store)
+                        lt.append(t_load)
+                        dst_t.append(ds1 - ds0)
+                        dlt.append(dl1 - dl0)
+                    exact = exact and view.blocks_equal(src, dst)  # every load, byte for byte
+                    rounds.append([round(1e3 * x, 2) for x in (t_store, ds1 - ds0, t_load, dl1 - dl0)])
+                spy.close()
+                row = {"block_kib": kib, "layout": layout if per_key == 1 else f"{layout}, {per_key} a key",
+                       "blocks_per_key": per_key, "blocks": n, "batch_bytes": n * bb,
+                       "store_gbps": n * bb / statistics.median(st) / 1e9,
+                       "store_first_gbps": n * bb / first / 1e9,
+                       "load_gbps": n * bb / statistics.median(lt) / 1e9, "exact": exact,
+                       "daemon_store_gbps": n * bb / max(1e-9, statistics.median(dst_t)) / 1e9,
+                       "daemon_load_gbps": n * bb / max(1e-9, statistics.median(dlt)) / 1e9,
+                       "rounds_ms": rounds}
+                print(f"  host {row['layout']:16s} {kib:5d} KiB: store {row['store_gbps']:.1f} GB/s "
+                      f"(first {row['store_first_gbps']:.1f}), "
+                      f"load {row['load_gbps']:.1f} GB/s, exact={exact}; rounds (store, daemon, load, daemon ms): "
+                      f"{rounds}", flush=True)
+                out.append(row)
+            finally:
+                spy.close()
+                c.close()
+            d.admin("Evict", all=True)
         backend = d.admin("Stats").io_backend
     return out, backend
 
@@ -523,6 +527,8 @@ def main() -> None:
     ap.add_argument("--pyspy", default="", help="a folder: sample the daemon with py-spy in each host-tier case "
                     "(bench/daemon_sampling.py summarizes; needs the py-spy binary)")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: datapath,host,disk")
+    ap.add_argument("--blocks-per-key", default="1", type=ints,
+                    help="host tier: for each block size, these blocks_per_key values (k > 1: k engine blocks a key)")
     ap.add_argument("--role", default="engine")
     args = ap.parse_args()
     if args.role == "datapath":
@@ -565,7 +571,7 @@ def main() -> None:
 
             def host() -> None:
                 run["host"], result["io_backend"] = host_tier(pool, work, args.sizes, batch, args.reps, args.layouts,
-                                                               args.pyspy)
+                                                               args.pyspy, args.blocks_per_key)
             section("host", host)
         result["pinned"] = result["runs"][0]["pinned"]
         result["batch_bytes"] = batches[0]

@@ -482,3 +482,47 @@ def test_twenty_kill9_cycles_leave_no_gpu_memory_or_mapping_behind():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))
+
+
+@gpu
+@needs_gpu
+def test_keys_of_four_gpu_blocks_round_trip_exactly_through_host_and_disk_tiers():
+    """Scenario: an engine with a CUDA pool of 64 KiB blocks (layer-first, 8 regions) registers it with
+    blocks_per_key = 4: the daemon keeps 256 KiB keys. It stores 24 keys (96 scattered blocks) in three
+    Stores into a host tier of 8 keys, so 16 spill to disk (segments, kvikio); with the page cache
+    dropped, Loading all 24 into 96 other poisoned blocks returns every byte from both tiers. The
+    disk reads verify each key's CRC32C, folded from the GPU's per-block ones at Store: a wrong fold
+    would fail them."""
+    from engine_client import CudaKVPool, KVClient, Namespace
+
+    bb, k = 64 << 10, 4
+    d = _daemon("2MiB", "64MiB")
+    pool = CudaKVPool(256, bb, layout="layer-first", num_layers=4)
+    try:
+        pool.buffer.random_(0, 256)
+        torch.cuda.synchronize()
+        ids = list(range(256))
+        random.Random(11).shuffle(ids)
+        src, dst = ids[:96], ids[96:192]
+        want = [pool.read_block(b) for b in src]
+        ns = Namespace("gpu-keys", "bfloat16", 16 * k, "layer-first")
+        with KVClient(d.target, ns, pool, client_name="gpu-keys", blocks_per_key=k) as kv:
+            hs = kv._client.hasher.hash_blocks(range(24 * 16 * k))
+            for lo in (0, 8, 16):  # the host tier holds 8 keys: each Store pushes the one before to disk
+                r = kv.store(hs[lo:lo + 8], src[lo * k:(lo + 8) * k])
+                assert [x.status for x in r] == [STORED] * 8, [x.message for x in r]
+            wait_for("16 spills", lambda: d.stats().counters.spills >= 16 and d.stats().write_queue_depth == 0)
+            assert kv.lookup(hs) == (24, [DISK] * 16 + [HOST] * 8)
+            _drop_page_cache()
+            for b in dst:
+                pool.write_block(b, bytes([POISON]) * bb)
+            torch.cuda.synchronize()
+            r = kv.load(hs, dst)
+            assert [x.status for x in r] == [LOADED] * 24, [x.message for x in r]
+            assert {x.tier for x in r} == {HOST, DISK}
+            assert [pool.read_block(b) for b in dst] == want
+            assert d.stats().counters.checksum_failures == 0
+    finally:
+        pool.close()
+        d.stop()
+        d.close()
