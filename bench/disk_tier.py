@@ -254,8 +254,9 @@ def _pattern(i: int, block: int) -> np.ndarray:
 
 def daemon_case(directory: Path, fmt: str, block: int, total: int, batch_bytes: int, pool_kind: str,
                 threads: int, load_bytes: int = 0, depths: tuple[int, ...] = (1,), steady: bool = False,
-                restart: bool = False) -> dict:
-    """load_bytes: blocks per Load (default: batch_bytes, one Store's worth); the host tier holds
+                restart: bool = False, per_key: int = 1) -> dict:
+    """per_key > 1: the engine's blocks go per_key to a daemon block (KVClient(blocks_per_key)): the same
+    pool blocks and bytes, a per_key-th of the hashes; counts below are then of keys. load_bytes: blocks per Load (default: batch_bytes, one Store's worth); the host tier holds
     the blocks of the most Loads in flight (or one Store's, whichever is more), so every Load's
     disk blocks land in host slots and every block beyond it spills.
 
@@ -277,9 +278,12 @@ def daemon_case(directory: Path, fmt: str, block: int, total: int, batch_bytes: 
     from engine_client import KVClient, Namespace
     from harness.daemon import Daemon
 
-    n = total // block
-    per_batch = max(1, batch_bytes // block)
-    per_load = max(1, (load_bytes or batch_bytes) // block)
+    n = total // block  # engine blocks (the pool holds 2 n: sources, then the Loads' destinations)
+    k = per_key
+    key = k * block  # bytes of a daemon block
+    nk = n // k
+    per_batch = max(1, batch_bytes // key)
+    per_load = max(1, (load_bytes or batch_bytes) // key)
     host_blocks = max(per_batch, per_load * max(depths))
     disk_dir = directory / f"daemon-{fmt}-{block}"
     if pool_kind == "cuda":
@@ -293,25 +297,25 @@ def daemon_case(directory: Path, fmt: str, block: int, total: int, batch_bytes: 
                                                  device=pool.buffer.device, generator=gen))
     pool.buffer[n * block:].fill_(0xA5)  # the Loads' destination: poisoned, and warm as an engine's pool is
     capacity = int(total * 1.1) + 64 * MiB
-    d = Daemon(directory / f"d-{fmt}-{block}", host_capacity=host_blocks * block,
+    d = Daemon(directory / f"d-{fmt}-{block}", host_capacity=host_blocks * key,
                disk_capacity=capacity, disk_path=str(disk_dir), io_backend="auto",
                lease_seconds=None, log_level="warning",
                extra=["--disk-format", fmt, "--max-batch-blocks", "65536", "--reader-threads", str(threads),
                       "--writer-threads", str(threads), "--write-queue-depth", "1024"])
     try:
         d.start(timeout=120)
-        client = KVClient(d.target, Namespace("bench-disk", "uint8", 16, "block-contiguous"), pool,
-                          client_name="bench/disk_tier.py", timeout=600.0)
+        ns = Namespace("bench-disk", "uint8", 16 * k, "block-contiguous")
+        client = KVClient(d.target, ns, pool, client_name="bench/disk_tier.py", timeout=600.0, blocks_per_key=k)
         client.connect(required=True)
-        spilled = n - host_blocks
+        spilled = nk - host_blocks
 
         def spill_pass() -> tuple[list[bytes], float]:
-            hashes = [os.urandom(32) for _ in range(n)]
+            hashes = [os.urandom(32) for _ in range(nk)]
             spills0 = d.stats().counters.spills
             t0 = time.perf_counter()
-            for lo in range(0, n, per_batch):
-                hi = min(n, lo + per_batch)
-                res = client.store(hashes[lo:hi], list(range(lo, hi)))
+            for lo in range(0, nk, per_batch):
+                hi = min(nk, lo + per_batch)
+                res = client.store(hashes[lo:hi], list(range(lo * k, hi * k)))
                 assert all(r.status == 1 for r in res), res[0]
             while True:
                 s = d.stats()
@@ -322,7 +326,7 @@ def daemon_case(directory: Path, fmt: str, block: int, total: int, batch_bytes: 
             # the blocks this pass really wrote: an empty tier's pass spills all but the host tier's
             # last `host_blocks`; a steady pass also spills the ones the pass before left in host memory
             written = d.stats().counters.spills - spills0
-            return hashes, written * block / (time.perf_counter() - t0) / 1e9
+            return hashes, written * key / (time.perf_counter() - t0) / 1e9
 
         hashes, spill_gbps = spill_pass()
         steady_gbps = 0.0
@@ -332,8 +336,7 @@ def daemon_case(directory: Path, fmt: str, block: int, total: int, batch_bytes: 
             client.close()
             d.stop()
             d.start(timeout=120)
-            client = KVClient(d.target, Namespace("bench-disk", "uint8", 16, "block-contiguous"), pool,
-                              client_name="bench/disk_tier.py", timeout=600.0)
+            client = KVClient(d.target, ns, pool, client_name="bench/disk_tier.py", timeout=600.0, blocks_per_key=k)
             client.connect(required=True)
         cache = ""
         loads: dict[int, float] = {}
@@ -344,15 +347,15 @@ def daemon_case(directory: Path, fmt: str, block: int, total: int, batch_bytes: 
             t0 = time.perf_counter()
             for lo in range(a, b, per_load):
                 hi = min(b, lo + per_load)
-                pending.append(client.submit_load(hashes[lo:hi], list(range(n + lo, n + hi))))
+                pending.append(client.submit_load(hashes[lo:hi], list(range(n + lo * k, n + hi * k))))
                 while len(pending) >= depth or (pending and hi == b):
                     res = pending.pop(0).result()
                     assert all(r.status == 1 and r.tier == 3 for r in res), res[0]
-            loads[depth] = (b - a) * block / (time.perf_counter() - t0) / 1e9
-        exact = bool(torch.equal(pool.buffer[: spilled * block], pool.buffer[n * block: (n + spilled) * block]))
+            loads[depth] = (b - a) * key / (time.perf_counter() - t0) / 1e9
+        exact = bool(torch.equal(pool.buffer[: spilled * key], pool.buffer[n * block: n * block + spilled * key]))
         files = sum(f.stat().st_size for f in disk_dir.rglob("*") if f.is_file())
         client.close()
-        return {"format": fmt, "block": block, "blocks": spilled, "load_bytes": per_load * block,
+        return {"format": fmt, "block": block, "blocks_per_key": k, "blocks": spilled, "load_bytes": per_load * key,
                 "spill_gbps": spill_gbps, "steady_spill_gbps": steady_gbps, "load_gbps": loads[depths[0]],
                 "loads_by_depth": loads, "exact": exact, "cache": cache, "pool": pool_kind, "restart": restart,
                 "files_bytes": files, "capacity": capacity}
@@ -477,6 +480,8 @@ def main() -> int:
     p.add_argument("--restart-blocks", type=int, default=1_000_000)
     p.add_argument("--formats", default="segments", help="daemon part: disk formats to run (segments, files)")
     p.add_argument("--pool", choices=("shm", "cuda"), default="shm", help="daemon part: the engine's pool")
+    p.add_argument("--blocks-per-key", type=int, default=1,
+                   help="daemon part: engine blocks per daemon block (KVClient(blocks_per_key)); counts are of keys")
     p.add_argument("--out", default="")
     a = p.parse_args()
     if a.quick:
@@ -514,7 +519,7 @@ def main() -> int:
                     for lb in (a.load_bytes.split(",") if a.load_bytes else [""]):
                         r = daemon_case(work, fmt_, parse_size(b), parse_size(a.total), parse_size(a.batch_bytes),
                                         a.pool, a.readers, parse_size(lb) if lb else 0, depths, a.steady,
-                                        a.restart_before_loads)
+                                        a.restart_before_loads, a.blocks_per_key)
                         result["daemon"].append(r)
                         print(f"(daemon {fmt_} {b}{' after a restart' if r['restart'] else ''}: spill {r['spill_gbps']:.2f}, steady {r['steady_spill_gbps']:.2f}, "
                               f"load by depth {', '.join(f'{k}: {v:.2f}' for k, v in r['loads_by_depth'].items())} GB/s, "

@@ -11,7 +11,8 @@
 # spill and steady spill = the store alone; Loads clean / restart = the store alone (depth 1 ~0.75, depth 4
 # ~0.97 of the read limit); Loads always 0.5-0.6 / 0.4 (BENCHMARKS.md "Issue 13, disk model calibrated to
 # the H200 sweep, 2026-12-06"). The last lines print every figure as a ratio of this run's raw limits.
-#   [BLOCK=64KiB TOTAL=1GiB] bash scripts/device_disk_probe.sh [DISK_DIR]       (carry .whl; ~4 min)
+#   [BLOCK=64KiB TOTAL=1GiB] [KEYS=4] bash scripts/device_disk_probe.sh [DISK_DIR]       (carry .whl; ~4 min)
+# KEYS: the daemon rows with the engine's blocks KEYS to a daemon block (KVClient(blocks_per_key))
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvservice-device-out}/probe
@@ -20,7 +21,8 @@ mkdir -p "$OUT" "$DISK_DIR"
 source scripts/device_env.sh
 # BLOCK / TOTAL: the block size and bytes spilled (issue 13's 64 KiB line: BLOCK=64KiB TOTAL=1GiB)
 B=(python3 bench/disk_tier.py --dir "$DISK_DIR" --pool cuda --total "${TOTAL:-2GiB}" --raw-bytes 1GiB --repeats 1
-   --formats segments --block-sizes "${BLOCK:-2MiB}" --load-bytes 64MiB --load-depth 1,4 --steady)
+   --formats segments --block-sizes "${BLOCK:-2MiB}" --load-bytes 64MiB --load-depth 1,4 --steady
+   --blocks-per-key "${KEYS:-1}")
 date -u
 timeout 110 "${B[@]}" --parts raw,store --out "$OUT/limits.json" 2>&1 | grep -v "^\[" > "$OUT/limits.md"
 date -u

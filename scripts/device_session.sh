@@ -15,6 +15,7 @@
 #   lookup     bench/lookup_latency.py (the 1024-hash Lookup line)                                          60
 #   disk       scripts/device_disk_probe.sh (raw sweep, DiskStore alone, daemon always / clean / restarted)  300
 #   disk64     the same with 64 KiB blocks, 1 GiB spilled (issue 13's 64 KiB line)                         300
+#   disk64k    disk64 with the engine's 64 KiB blocks 4 to a daemon block (KEYS=4: blocks_per_key)      300
 #   e2e        scripts/device_e2e.sh diskboth (issue 14's disk line on this tree)                            300
 #   ab:V=X[+W=Y]  the 2 GiB rows of 256 KiB and 64 KiB blocks with KVTUNE_* knobs set (an A/B beside bw)      75
 #   tok        16k- and 32k-token batches at the smaller block sizes: 256 KiB blocks (an 8B model at TP 8: one  120
@@ -70,6 +71,8 @@ for p in ${PHASES//,/ }; do
           [[ -f $D/probe/ratios.md ]] && cat "$D/probe/ratios.md" >> "$S" ;;
     disk64) phase disk64 300 env OUT="$D/d64" BLOCK=64KiB TOTAL=1GiB bash scripts/device_disk_probe.sh
           [[ -f $D/d64/probe/ratios.md ]] && cat "$D/d64/probe/ratios.md" >> "$S" ;;
+    disk64k) phase disk64k 300 env OUT="$D/d64k" BLOCK=64KiB TOTAL=1GiB KEYS=4 bash scripts/device_disk_probe.sh
+          [[ -f $D/d64k/probe/ratios.md ]] && cat "$D/d64k/probe/ratios.md" >> "$S" ;;
     e2e) phase e2e 300 env OUT="$D" bash scripts/device_e2e.sh diskboth
          [[ -f $D/pool.md ]] && cat "$D/pool.md" >> "$S" ;;
     tok) phase tok256 60 "${BW[@]/2048,256,64/256}" --batch-mib 256,512
