@@ -1,7 +1,7 @@
 """The daemon core's own per-block cost: BlockCache + a shared-memory pool in one process (no gRPC),
 beside the bare copy it wraps, measured in the same run.
 
-    .venv/bin/python bench/core_overhead.py [--sizes 4096,65536] [--batches 1024,4096] [--rounds 7]
+    .venv/bin/python bench/core_overhead.py [--sizes 4096,65536] [--batches 1024,4096] [--rounds 7] [--blocks-per-key 1,4]
 
 For each block size and batch: Store of new hashes (the host tier holds 3 batches, so from the
 4th round on every Store also evicts a batch: dropped, no disk), Store of hashes already stored,
@@ -45,6 +45,16 @@ from kvservice.ops.config import Config  # noqa: E402
 from tests.corekit import CANARY, Pool, h, ns_spec  # noqa: E402
 
 
+def ids_of(ids: list[int], per_key: int):
+    """A call's engine block ids as the core passes them to the session's memory: KeyIds for k > 1."""
+    if per_key == 1:
+        return ids
+    import numpy as np
+
+    from kvservice.memory.key_groups import KeyIds
+    return KeyIds(np.asarray(ids, dtype=np.int64).reshape(-1, per_key))
+
+
 def best(fn, rounds: int) -> float:
     out = []
     for r in range(rounds):
@@ -56,24 +66,27 @@ def best(fn, rounds: int) -> float:
 
 async def measure(block_bytes: int, batch: int, rounds: int, tmp: str, dma_gbps: float,
                   copies: bool = True, launch_gather: tuple[float, float] = (130.0, 0.4),
-                  launch_scatter: tuple[float, float] = (130.0, 0.2)) -> dict[str, float]:
+                  launch_scatter: tuple[float, float] = (130.0, 0.2), per_key: int = 1) -> dict[str, float]:
     cfg = replace(Config(), socket_path=os.path.join(tmp, "kv.sock"), host_capacity_bytes=3 * batch * block_bytes,
                   disk_path="", disk_capacity_bytes=0, max_batch_blocks=max(8192, batch), io_backend="posix",
                   prefetch_share=1.0, prefetch_total_share=1.0, pin_lease_seconds=1.0, lease_seconds=1e9)
     clock = FakeClock()
     cache = BlockCache(cfg, clock)
     await cache.start()
-    pool = Pool(num_blocks=batch, block_bytes=block_bytes)
+    pool = Pool(num_blocks=batch, block_bytes=block_bytes, blocks_per_key=per_key)
     pool.shm.buf[:] = os.urandom(batch * block_bytes)
     sid = cache.open_session(ns_spec(f"bench-{block_bytes}"), pool.spec, CANARY, "bench").session_id
-    mem = cache._sessions.get(sid).memory
+    outer = cache._sessions.get(sid).memory  # KeyGroupMemory when per_key > 1: its own work stays in the rows
+    mem = getattr(outer, "inner", outer)  # the copies below are replaced (or timed) at the pool's own memory
+    keys = batch // per_key  # hashes a call names
+    call_ids = ids_of(list(range(batch)), per_key)
     ids = list(range(batch))
     loop_time = {}
     seq = [0]
 
     def fresh() -> bytes:
         seq[0] += 1
-        return b"".join(h(i, f"{seq[0]}") for i in range(batch))
+        return b"".join(h(i, f"{seq[0]}") for i in range(keys))
 
     async def timed(name: str, make, call, check=None) -> None:
         times, cpu = [], []
@@ -123,7 +136,7 @@ async def measure(block_bytes: int, batch: int, rounds: int, tmp: str, dma_gbps:
 
     async def lookup(hs):
         out = cache.lookup(sid, hs)
-        assert len(out) == batch
+        assert len(out) == keys
         return out
 
     await timed("lookup", lambda: last[0], lookup)
@@ -192,10 +205,10 @@ async def measure(block_bytes: int, batch: int, rounds: int, tmp: str, dma_gbps:
         # the copies themselves, on the same slots and block ids
         t = cache.tiers
         d = t.index.namespace(cache._sessions.get(sid).namespace)
-        offsets = [d[last[0][i * 32:(i + 1) * 32]].slot for i in range(batch)]
+        offsets = [d[last[0][i * 32:(i + 1) * 32]].slot for i in range(keys)]
         arena = cache.arena
-        loop_time["gather_into"] = best(lambda r: mem.gather_into(ids, arena, offsets), rounds)
-        loop_time["scatter_from"] = best(lambda r: mem.scatter_from(ids, arena, offsets), rounds)
+        loop_time["gather_into"] = best(lambda r: outer.gather_into(call_ids, arena, offsets), rounds)
+        loop_time["scatter_from"] = best(lambda r: outer.scatter_from(call_ids, arena, offsets), rounds)
     else:
         for k in ("store", "load", "gather_into", "scatter_from"):
             loop_time[k] = float("nan")
@@ -217,6 +230,8 @@ def main() -> None:
     p.add_argument("--launch-gather", default="130,0.4",
                    help="modeled launch work of a Store's copy, 'us a 32 MiB chunk,us a row' (H100 trace)")
     p.add_argument("--launch-scatter", default="130,0.2", help="the same for a Load's copy")
+    p.add_argument("--blocks-per-key", default="1", help="comma list: each size also with k engine blocks a "
+                   "daemon block (blocks_per_key; figures stay per engine block)")
     a = p.parse_args()
     lg = tuple(float(x) for x in a.launch_gather.split(","))
     ls = tuple(float(x) for x in a.launch_scatter.split(","))
@@ -229,18 +244,19 @@ def main() -> None:
           "| store x dma | load x dma | store x dma+launch | load x dma+launch |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
-        for bb in sizes:
-            for n in batches:
-                r = asyncio.run(measure(bb, n, a.rounds, tmp, a.dma_gbps, not a.no_copies, lg, ls))
-                us = {k: v / n * 1e6 for k, v in r.items()}
-                print(f"| {bb // 1024} KiB | {n} | {us['gather_into']:.2f} | {us['store']:.2f} "
-                      f"| {us['store_core']:.2f} | {us['store_core_cpu']:.2f} | {us['scatter_from']:.2f} "
-                      f"| {us['load']:.2f} | {us['load_core']:.2f} | {us['load_core_cpu']:.2f} "
-                      f"| {us['store_hit']:.2f} | {us['store_hit_cpu']:.2f} | {us['lookup']:.2f} "
-                      f"| {us['lookup_cpu']:.2f} | {us['prefetch']:.2f} "
-                      f"| {us['prefetch_cpu']:.2f} | {r['dma'] / r['store_dma']:.2f} "
-                      f"| {r['dma'] / r['load_dma']:.2f} | {r['dma'] / r['store_launch']:.2f} "
-                      f"| {r['dma'] / r['load_launch']:.2f} |", flush=True)
+        for bb, n, per_key in [(bb, n, k) for bb in sizes for n in batches
+                               for k in (int(x) for x in a.blocks_per_key.split(","))]:
+            r = asyncio.run(measure(bb, n, a.rounds, tmp, a.dma_gbps, not a.no_copies, lg, ls, per_key))
+            us = {k: v / n * 1e6 for k, v in r.items()}
+            label = f"{bb // 1024} KiB" + (f", {per_key} a key" if per_key > 1 else "")
+            print(f"| {label} | {n} | {us['gather_into']:.2f} | {us['store']:.2f} "
+                  f"| {us['store_core']:.2f} | {us['store_core_cpu']:.2f} | {us['scatter_from']:.2f} "
+                  f"| {us['load']:.2f} | {us['load_core']:.2f} | {us['load_core_cpu']:.2f} "
+                  f"| {us['store_hit']:.2f} | {us['store_hit_cpu']:.2f} | {us['lookup']:.2f} "
+                  f"| {us['lookup_cpu']:.2f} | {us['prefetch']:.2f} "
+                  f"| {us['prefetch_cpu']:.2f} | {r['dma'] / r['store_dma']:.2f} "
+                  f"| {r['dma'] / r['load_dma']:.2f} | {r['dma'] / r['store_launch']:.2f} "
+                  f"| {r['dma'] / r['load_launch']:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
