@@ -668,8 +668,9 @@ def _pack(hashes: Sequence[bytes]) -> bytes:
 
 def _pack_refs(hashes: Sequence[bytes], block_ids: Sequence[int], k: int = 1) -> tuple[bytes, list[int]]:
     if len(hashes) * k != len(block_ids):
+        per = f" ({k} a hash: blocks_per_key)" if k > 1 else ""
         raise KVClientError(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"{len(hashes)} hashes but {len(block_ids)} block ids")
+                            f"{len(hashes)} hashes but {len(block_ids)} block ids{per}")
     return _pack(hashes), list(block_ids)
 
 
