@@ -142,7 +142,7 @@ def test_an_engine_with_keys_stores_and_loads_through_the_daemon(daemon, channel
     prompt in keys of 4 blocks: Store of 8 keys (32 scattered pool blocks) answers STORED per key,
     Lookup finds the 8, Load into 32 other blocks is byte-exact; a second client of the same pool
     layout with 1 block a key sees none of them (another namespace); a Store with one id per hash
-    is refused by the client before it is sent."""
+    is refused by the client before it is sent. ListSessions shows the session's blocks_per_key."""
     with ShmKVPool(96, PART) as pool:
         ids = _engine_ids(8, 3, 96)
         data = [content(i, KEY) for i in range(8)]
@@ -156,6 +156,7 @@ def test_an_engine_with_keys_stores_and_loads_through_the_daemon(daemon, channel
             res = kv.store(hashes, ids)
             assert [r.status for r in res] == [StoreStatus.STORED] * 8, [r.message for r in res]
             assert kv.lookup(hashes) == (8, [Tier.HOST] * 8)
+            assert [x.blocks_per_key for x in daemon.admin("ListSessions").sessions] == [K]  # what operators see
             out = _engine_ids(8, 4, 96)
             res = kv.load(hashes, out)
             assert [r.status for r in res] == [LoadStatus.LOADED] * 8, [r.message for r in res]

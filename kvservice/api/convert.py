@@ -286,6 +286,7 @@ def session_info(s: SessionInfo) -> admin_pb2.SessionInfo:
         client_name=s.client_name,
         pool_kind=s.pool_kind,
         pool_blocks=s.pool_blocks,
+        blocks_per_key=s.blocks_per_key,
         opened_at=timestamp(s.opened_at),
         lease_expires_in=s.lease_expires_in,
         pinned_blocks=s.pinned_blocks,

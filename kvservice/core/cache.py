@@ -384,7 +384,8 @@ class BlockCache(StorePath, LoadPath, PrefetchPath):
         now = self.clock.now()
         leases = self._t.life.leases
         return [SessionInfo(s.label, s.namespace, s.client_name, s.pool.kind, s.pool.num_blocks, s.opened_at,
-                            max(0.0, s.lease_until - now), leases.count(s.id), s.peer.uid, s.peer.pid)
+                            max(0.0, s.lease_until - now), leases.count(s.id), s.peer.uid, s.peer.pid,
+                            s.pool.blocks_per_key)
                 for s in self._sessions.all()]
 
     def namespace_stats(self) -> list[dict]:

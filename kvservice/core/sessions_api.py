@@ -84,6 +84,7 @@ class SessionInfo:
     pinned_blocks: int
     uid: int
     pid: int
+    blocks_per_key: int = 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -171,7 +171,7 @@ class ListNamespacesReply(_message.Message):
     def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("namespace_id", "client_name", "pool_kind", "pool_blocks", "opened_at", "lease_expires_in", "pinned_blocks", "label", "uid", "pid")
+    __slots__ = ("namespace_id", "client_name", "pool_kind", "pool_blocks", "opened_at", "lease_expires_in", "pinned_blocks", "label", "uid", "pid", "blocks_per_key")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     POOL_KIND_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +182,7 @@ class SessionInfo(_message.Message):
     LABEL_FIELD_NUMBER: _ClassVar[int]
     UID_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_PER_KEY_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     client_name: str
     pool_kind: str
@@ -192,7 +193,8 @@ class SessionInfo(_message.Message):
     label: str
     uid: int
     pid: int
-    def __init__(self, namespace_id: _Optional[str] = ..., client_name: _Optional[str] = ..., pool_kind: _Optional[str] = ..., pool_blocks: _Optional[int] = ..., opened_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., lease_expires_in: _Optional[float] = ..., pinned_blocks: _Optional[int] = ..., label: _Optional[str] = ..., uid: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+    blocks_per_key: int
+    def __init__(self, namespace_id: _Optional[str] = ..., client_name: _Optional[str] = ..., pool_kind: _Optional[str] = ..., pool_blocks: _Optional[int] = ..., opened_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., lease_expires_in: _Optional[float] = ..., pinned_blocks: _Optional[int] = ..., label: _Optional[str] = ..., uid: _Optional[int] = ..., pid: _Optional[int] = ..., blocks_per_key: _Optional[int] = ...) -> None: ...
 
 class ListSessionsRequest(_message.Message):
     __slots__ = ()
