@@ -20,6 +20,7 @@
 #   ab:V=X[+W=Y]  the 2 GiB rows of 256 KiB and 64 KiB blocks with KVTUNE_* knobs set (an A/B beside bw)      75
 #   tok        16k- and 32k-token batches at the smaller block sizes: 256 KiB blocks (an 8B model at TP 8: one  120
 #              engine's share) in 256 / 512 MiB batches, 64 KiB in 64 / 128 MiB (bw keeps 2 / 4 GiB for all)
+#   gputest:EXPR  the GPU tests of tests/test_gpu.py whose names match EXPR (pytest -k)                   120
 #   keys       the 2 GiB rows of 64 and 256 KiB blocks with blocks_per_key 1, 4 and 16 (k engine blocks a   120
 #              daemon block: bench/gpu_bandwidth.py --blocks-per-key)
 #   abx:V=X[+W=Y] the same with the 2 MiB row too ("abx:" alone: the defaults, the A/B's baseline in the call)  90
@@ -77,6 +78,7 @@ for p in ${PHASES//,/ }; do
          [[ -f $D/pool.md ]] && cat "$D/pool.md" >> "$S" ;;
     tok) phase tok256 60 "${BW[@]/2048,256,64/256}" --batch-mib 256,512
          phase tok64 60 "${BW[@]/2048,256,64/64}" --batch-mib 64,128 ;;
+    gputest:*) phase "$p" 120 python3 -m pytest -m gpu -q -rA -p no:cacheprovider -k "${p#gputest:}" tests/test_gpu.py ;;
     keys) phase keys 120 "${BW[@]/2048,256,64/64,256}" --batch-mib 2048 --blocks-per-key 1,4,16 ;;
     abx:*) kv=${p#abx:}; phase "$p" 90 env ${kv//+/ } "${BW[@]}" --batch-mib 2048 ;;
     ab:*) kv=${p#ab:}; phase "$p" 75 env ${kv//+/ } "${BW[@]/2048,256,64/256,64}" --batch-mib 2048 ;;
