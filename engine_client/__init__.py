@@ -9,7 +9,9 @@
         n, tiers = kv.lookup(hashes)
         results = kv.load(hashes[:n], block_ids[:n])
 
-AsyncKVClient is the asyncio client; KVClient runs it on a private loop thread.
+AsyncKVClient is the asyncio client; KVClient runs it on a private loop thread. Small blocks (64 KiB):
+KVClient(..., blocks_per_key=k) has the daemon keep k pool blocks as one (hash in keys of k blocks, name
+k block ids per hash); see AsyncKVClient.
 """
 
 from engine_client.client import AsyncKVClient
