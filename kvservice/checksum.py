@@ -108,7 +108,7 @@ def _extend(crc: int, buf: Buffer) -> int:
 _concat_tables: dict[int, np.ndarray] = {}
 
 
-def _shift_tables(part_bytes: int) -> np.ndarray:
+def concat_tables(part_bytes: int) -> np.ndarray:
     """[4, 256] uint32: row p maps byte p of a CRC32C c to its share of Z(c), where Z(c) is the linear
     map CRC32C(A + B) = Z(CRC32C(A)) ^ CRC32C(B) for any B of part_bytes bytes (Z(c) = extend(c, zeros)
     ^ extend(0, zeros): the conditioning cancels out). Built from 32 basis values, cached per length."""
@@ -137,7 +137,7 @@ def concat_checksums(crcs: Sequence[int] | np.ndarray, k: int, part_bytes: int) 
     c = np.asarray(crcs, dtype=np.uint32).reshape(-1, k)
     if k == 1:
         return c[:, 0].tolist()
-    t = _shift_tables(part_bytes)
+    t = concat_tables(part_bytes)
     acc = c[:, 0].copy()
     for j in range(1, k):
         acc = t[0][acc & 0xFF] ^ t[1][(acc >> 8) & 0xFF] ^ t[2][(acc >> 16) & 0xFF] ^ t[3][acc >> 24] ^ c[:, j]

@@ -255,7 +255,7 @@ class BlockCache(StorePath, LoadPath, PrefetchPath):
         return KeyIds(np.asarray(a, dtype=np.int64).reshape(n, k))
 
     def _engine_ids(self, s: Session, m: int, block_ids: Sequence[int], k: int, as_array: bool = False):
-        """_block_ids' checks of m ids (k per hash): a list of ints (an int64 array when as_array)."""
+        """_block_ids' checks of m ids (k per hash): a list of ints (as_array: or the checked array)."""
         if m >= _NUMPY_IDS and not isinstance(block_ids, list) and len(block_ids) == m:
             try:
                 a = np.asarray(block_ids)
@@ -267,7 +267,7 @@ class BlockCache(StorePath, LoadPath, PrefetchPath):
                     mark = np.zeros(pool_blocks, dtype=np.bool_)
                     mark[a] = True
                     if int(np.count_nonzero(mark)) == m:
-                        return a.astype(np.int64, copy=False) if as_array else a.tolist()
+                        return a if as_array else a.tolist()
         # small batches, and any batch the checks above refused: say why (an array off the frames channel: as ints)
         ids = block_ids.tolist() if isinstance(block_ids, np.ndarray) else list(block_ids)
         if len(ids) != m:

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvservice.checksum import concat_checksums
+from kvservice.checksum import concat_checksums, concat_tables
 from kvservice.memory.engine_pool import EngineMemory
 from kvservice.memory.host_arena import HostArena
 
@@ -67,53 +67,36 @@ def flat_ids(keys: KeyIds | Sequence[Sequence[int]], k: int) -> np.ndarray:
 
 
 class KeyGroupMemory:
-    """An engine pool's memory in keys of k blocks (blocks_per_key): the EngineMemory the core uses
-    for such a session. Block ids are per key (KeyIds or k-tuples), slot offsets are the keys' slots
+    """An engine pool's memory in keys of k blocks (blocks_per_key): the calls the core makes on a
+    session's memory (copies both ways, host rows for disk reads), for such a session. Block ids are per key (KeyIds or k-tuples), slot offsets are the keys' slots
     of k x the pool's block bytes, checksums are of a key's bytes as the slot holds them."""
 
     def __init__(self, inner: EngineMemory, k: int) -> None:
-        self._inner = inner
+        self.inner = inner
         self.k = k
         self.part_bytes = inner.block_bytes
         self.block_bytes = inner.block_bytes * k
         self.num_blocks = inner.num_blocks
-        self.spec = getattr(inner, "spec", None)
         self.SIGNALS_ENQUEUED = getattr(inner, "SIGNALS_ENQUEUED", False)
         self._parts = np.arange(k, dtype=np.int64) * self.part_bytes  # a key's parts inside its slot
-
-    @property
-    def inner(self) -> EngineMemory:
-        return self._inner
+        concat_tables(self.part_bytes)  # built at registration: not in the first Store's copy
 
     def _part_offsets(self, offsets: Sequence[int]) -> np.ndarray:
         return (np.asarray(offsets, dtype=np.int64)[:, None] + self._parts).reshape(-1)
 
-    def _kw(self, enqueued: Callable[[], None] | None) -> dict[str, Any]:
-        return {} if enqueued is None else {"enqueued": enqueued}
-
     def gather_into(self, block_ids: KeyIds | Sequence[Sequence[int]], arena: HostArena, offsets: Sequence[int],
                     enqueued: Callable[[], None] | None = None) -> list[int]:
         """The keys' blocks into their slots (a key's k blocks back to back); the CRC32C of each key."""
-        if not len(offsets):
-            if enqueued is not None:
-                enqueued()
-            return []
-        sums = self._inner.gather_into(flat_ids(block_ids, self.k), arena, self._part_offsets(offsets),
-                                       **self._kw(enqueued))
+        sums = self.inner.gather_into(flat_ids(block_ids, self.k), arena, self._part_offsets(offsets), enqueued)
         return concat_checksums(sums, self.k, self.part_bytes)
 
     def scatter_from(self, block_ids: KeyIds | Sequence[Sequence[int]], arena: HostArena, offsets: Sequence[int],
                      enqueued: Callable[[], None] | None = None) -> None:
-        if not len(offsets):
-            if enqueued is not None:
-                enqueued()
-            return
-        self._inner.scatter_from(flat_ids(block_ids, self.k), arena, self._part_offsets(offsets),
-                                 **self._kw(enqueued))
+        self.inner.scatter_from(flat_ids(block_ids, self.k), arena, self._part_offsets(offsets), enqueued)
 
     def alloc_host(self, n: int) -> list[torch.Tensor | None]:
         """n host buffers of a key's bytes (where a disk read of a key lands); None: any will do."""
-        return list(self._inner.alloc_host(n, row_bytes=self.block_bytes))
+        return list(self.inner.alloc_host(n, row_bytes=self.block_bytes))
 
     def scatter(self, block_ids: KeyIds | Sequence[Sequence[int]], srcs: Sequence[Any]) -> None:
         """One host buffer of a key's bytes per key into its k engine blocks."""
@@ -121,16 +104,7 @@ class KeyGroupMemory:
             raise ValueError(f"{len(block_ids)} keys but {len(srcs)} source buffers")
         pb = self.part_bytes
         parts = [src[j * pb:(j + 1) * pb] for src in srcs for j in range(self.k)]
-        self._inner.scatter(flat_ids(block_ids, self.k).tolist(), parts)
-
-    def gather_with_checksums(self, block_ids: KeyIds | Sequence[Sequence[int]]) -> tuple[list[torch.Tensor], list[int]]:
-        rows, sums = self._inner.gather_with_checksums(flat_ids(block_ids, self.k).tolist())
-        k = self.k
-        keys = [torch.cat([r.reshape(-1) for r in rows[i:i + k]]) for i in range(0, len(rows), k)]
-        return keys, concat_checksums(sums, k, self.part_bytes)
-
-    def gather(self, block_ids: KeyIds | Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        return self.gather_with_checksums(block_ids)[0]
+        self.inner.scatter(flat_ids(block_ids, self.k).tolist(), parts)
 
     def close(self) -> None:
-        self._inner.close()
+        self.inner.close()
