@@ -185,3 +185,58 @@ def test_the_daemon_refuses_a_pool_with_too_many_blocks_a_key(daemon):
         with pytest.raises(KVClientError) as refused:
             asyncio.run(attempt())
         assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and "blocks_per_key" in str(refused.value)
+
+
+async def test_a_keys_store_cancelled_after_any_number_of_loop_steps_leaves_nothing_half_made(tmp_path):
+    """Scenario: a Store of 4 keys (16 scattered engine blocks) into a full host tier of 4 keys (so
+    it evicts, spills through one writer and copies k blocks a key) is cancelled after s event-loop
+    steps, for every s up to 48 (each await point of the store path) and then doubling, until one
+    finishes uncancelled (the copies and spills run in threads). After each: audit is clean once the copies
+    and spills are done (no room, pin or entry of the cancelled Store), and the keys store again and
+    load byte-exact into other scattered blocks (or are stored already, when the cancel came after
+    the commit)."""
+    cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=4 * KEY,
+                       disk_capacity_bytes=disk_capacity_for(64, KEY), write_queue_depth=1, writer_threads=1)
+    async with started_cache(cfg) as cache:
+        pool = Pool(num_blocks=64, block_bytes=PART, blocks_per_key=K)
+        try:
+            sid = cache.open_session(ns_spec(), pool.spec, CANARY, "keys").session_id
+            base = 0
+
+            async def store(numbers, seed):
+                ids = _engine_ids(len(numbers), seed, 32)  # the store side: blocks 0-31 of the pool
+                _write_keys(pool, numbers, ids)
+                return await cache.store(sid, [h(i) for i in numbers], ids)
+
+            for s in [*range(48), *(48 << i for i in range(10))]:
+                await store([1000 + base + j for j in range(4)], 2 * s)  # host full of other keys
+                batch = [base + j for j in range(4)]
+                task = asyncio.ensure_future(store(batch, 2 * s + 1))
+                for _ in range(s):
+                    await asyncio.sleep(0)
+                finished = task.done()
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+                await cache.tiers.drain()
+                await asyncio.get_running_loop().run_in_executor(cache._copy_pool, lambda: None)
+                await _settled(cache)
+                assert cache.audit() == [], f"after a cancel at step {s}"
+                res = await store(batch, 2 * s + 1)
+                assert all(r.status in (StoreStatus.STORED, StoreStatus.ALREADY_STORED) for r in res), \
+                    [r.message for r in res]
+                out = [32 + i for i in _engine_ids(4, s, 32)]  # the load side: blocks 32-63
+                res = await cache.load(sid, [h(i) for i in batch], out)
+                assert [r.status for r in res] == [LoadStatus.LOADED] * 4, [r.message for r in res]
+                assert _read_keys(pool, 4, out) == [content(i, KEY) for i in batch]
+                await _settled(cache)
+                assert cache.audit() == []
+                base += 4
+                if finished:
+                    break
+            else:
+                raise AssertionError("the keys Store never finished within 12288 loop steps")
+        finally:
+            pool.close()
