@@ -22,6 +22,7 @@ from kvservice.core.types import CacheError, ErrorCode, LoadStatus, StoreStatus,
 from kvservice.disk.tier_io import disk_capacity_for
 from kvservice.placement.index import DiskState
 from tests.corekit import CANARY, Pool, content, h, ns_spec, small_config, started_cache
+from tests.test_store_cancellation import until
 
 K = 4  # engine blocks per key
 PART = 4096  # engine block bytes
@@ -238,5 +239,51 @@ async def test_a_keys_store_cancelled_after_any_number_of_loop_steps_leaves_noth
                     break
             else:
                 raise AssertionError("the keys Store never finished within 12288 loop steps")
+        finally:
+            pool.close()
+
+
+async def test_a_keys_load_cancelled_after_any_number_of_loop_steps_leaves_nothing_pinned(tmp_path):
+    """Scenario: 12 keys stored into a host tier of 4 (8 spilled to disk); a Load of all 12 (disk reads
+    into pinned rows of keys, scattered as 4 blocks each; host hits scattered from their slots) is
+    cancelled after s event-loop steps, for every s up to 48 and then doubling, until one finishes
+    uncancelled. After each: once the reads and copies in flight end, audit is clean (no pin, no
+    lease, no half-made entry), and the next Load of the 12 is byte-exact."""
+    cfg = small_config(tmp_path, disk_blocks=0, host_capacity_bytes=4 * KEY,
+                       disk_capacity_bytes=disk_capacity_for(16, KEY))
+    async with started_cache(cfg) as cache:
+        pool = Pool(num_blocks=96, block_bytes=PART, blocks_per_key=K)
+        try:
+            sid = cache.open_session(ns_spec(), pool.spec, CANARY, "keys").session_id
+            ids = _engine_ids(12, 5, 48)
+            _write_keys(pool, list(range(12)), ids)
+            for lo in (0, 4, 8):
+                res = await cache.store(sid, [h(i) for i in range(lo, lo + 4)], ids[lo * K:(lo + 4) * K])
+                assert [r.status for r in res] == [StoreStatus.STORED] * 4, [r.message for r in res]
+            await _settled(cache)
+            hashes = [h(i) for i in range(12)]
+            want = [content(i, KEY) for i in range(12)]
+            for s in [*range(48), *(48 << i for i in range(10))]:
+                out = [48 + i for i in _engine_ids(12, s, 48)]
+                task = asyncio.ensure_future(cache.load(sid, hashes, out))
+                for _ in range(s):
+                    await asyncio.sleep(0)
+                finished = task.done()
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+                await _settled(cache)  # then the reads and copies in flight end (in their threads)
+                await until(lambda: cache.audit() == [], f"a clean audit after a cancel at step {s}: {cache.audit()}")
+                for i in out:
+                    pool.write(i, bytes(PART))
+                res = await cache.load(sid, hashes, out)
+                assert [r.status for r in res] == [LoadStatus.LOADED] * 12, [r.message for r in res]
+                assert _read_keys(pool, 12, out) == want
+                if finished:
+                    break
+            else:
+                raise AssertionError("the keys Load never finished within 12288 loop steps")
         finally:
             pool.close()
