@@ -25,6 +25,7 @@
 #              daemon block: bench/gpu_bandwidth.py --blocks-per-key)
 #   tokk       tok with keys: 256 KiB blocks 1, 8 and 16 a key, 64 KiB blocks 1, 4 and 16 a key (issue 10's    200
 #              16k/32k-token lines as an engine that keys its small blocks gets them; k = 1 is the baseline)
+#   tracetok   the call timelines (as trace) of 256 MiB Stores and Loads of 256 KiB blocks, 1 and 8 a key     100
 #   abx:V=X[+W=Y] the same with the 2 MiB row too ("abx:" alone: the defaults, the A/B's baseline in the call)  90
 # Run the phases that fit one call's 600 s (default: tests,bw,disk64 ~ 8 min at most; on the H200 host
 # the tests phase alone took 210 s).
@@ -83,6 +84,9 @@ for p in ${PHASES//,/ }; do
     gputest:*) phase "$p" 120 python3 -m pytest -m gpu -q -rA -p no:cacheprovider -k "${p#gputest:}" tests/test_gpu.py ;;
     tokk) phase tokk256 100 "${BW[@]/2048,256,64/256}" --batch-mib 256,512 --blocks-per-key 1,8,16
           phase tokk64 100 "${BW[@]/2048,256,64/64}" --batch-mib 64,128 --blocks-per-key 1,4,16 ;;
+    tracetok) phase tracetok 100 env KVTUNE_TRACE="$D/tracetok.jsonl" "${BW[@]/2048,256,64/256}" --batch-mib 256 \
+                --blocks-per-key 1,8
+              python3 bench/trace_timeline.py "$D/tracetok.jsonl" > "$D/timeline_tok.md" 2>&1 && cp "$D/timeline_tok.md" "$OUT/" ;;
     keys) phase keys 120 "${BW[@]/2048,256,64/64,256}" --batch-mib 2048 --blocks-per-key 1,4,16 ;;
     abx:*) kv=${p#abx:}; phase "$p" 90 env ${kv//+/ } "${BW[@]}" --batch-mib 2048 ;;
     ab:*) kv=${p#ab:}; phase "$p" 75 env ${kv//+/ } "${BW[@]/2048,256,64/256,64}" --batch-mib 2048 ;;
