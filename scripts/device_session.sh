@@ -26,6 +26,7 @@
 #   tokk       tok with keys: 256 KiB blocks 1, 8 and 16 a key, 64 KiB blocks 1, 4 and 16 a key (issue 10's    200
 #              16k/32k-token lines as an engine that keys its small blocks gets them; k = 1 is the baseline)
 #   tracetok   the call timelines (as trace) of 256 MiB Stores and Loads of 256 KiB blocks, 1 and 8 a key     100
+#   abtok:V=X[+W=Y] 256 / 512 MiB batches of 256 KiB blocks, 1 and 8 a key, with KVTUNE_* knobs set        60
 #   abx:V=X[+W=Y] the same with the 2 MiB row too ("abx:" alone: the defaults, the A/B's baseline in the call)  90
 # Run the phases that fit one call's 600 s (default: tests,bw,disk64 ~ 8 min at most; on the H200 host
 # the tests phase alone took 210 s).
@@ -89,6 +90,7 @@ for p in ${PHASES//,/ }; do
               python3 bench/trace_timeline.py "$D/tracetok.jsonl" > "$D/timeline_tok.md" 2>&1 && cp "$D/timeline_tok.md" "$OUT/" ;;
     keys) phase keys 120 "${BW[@]/2048,256,64/64,256}" --batch-mib 2048 --blocks-per-key 1,4,16 ;;
     abx:*) kv=${p#abx:}; phase "$p" 90 env ${kv//+/ } "${BW[@]}" --batch-mib 2048 ;;
+    abtok:*) kv=${p#abtok:}; phase "$p" 60 env ${kv//+/ } "${BW[@]/2048,256,64/256}" --batch-mib 256,512 --blocks-per-key 1,8 ;;
     ab:*) kv=${p#ab:}; phase "$p" 75 env ${kv//+/ } "${BW[@]/2048,256,64/256,64}" --batch-mib 2048 ;;
     *) say "unknown phase $p" ;;
   esac
