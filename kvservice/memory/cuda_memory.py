@@ -169,6 +169,11 @@ class _Lane:
         self.kernels = torch.cuda.Stream(device)
         self.dma = torch.cuda.Stream(device)
         self._staging: torch.Tensor | None = None
+        # a job's block ids (pinned, on the device) and its rows' CRCs (on the device, pinned), kept for the
+        # next job on this lane (LANE_BUFFERS): every job ends by synchronising its lane, so the next one
+        # may overwrite them
+        self._ids: tuple[np.ndarray, torch.Tensor, torch.Tensor] | None = None
+        self._crc: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def staging(self, chunk_bytes: int) -> torch.Tensor:
         """[STAGING_SLOTS, >= chunk_bytes] uint8 on the device. Called at a job's start, when the
@@ -178,6 +183,35 @@ class _Lane:
             width = -(-max(CHUNK_BYTES, chunk_bytes) // 256) * 256  # slots stay aligned for any element type
             self._staging = torch.empty((STAGING_SLOTS, width), dtype=torch.uint8, device=self.device)
         return self._staging
+
+    def ids(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """Block ids as int64 on the device, copied on the current stream from this lane's pinned
+        buffer (no allocation, no host sync: one memcpy into pinned memory and one cudaMemcpyAsync).
+        Without LANE_BUFFERS: _device_ids (torch's caching host allocator, per call)."""
+        if not LANE_BUFFERS:
+            return _device_ids(block_ids, self.device)
+        a = np.asarray(block_ids, dtype=np.int64)
+        n = a.size
+        if self._ids is None or self._ids[0].size < n:
+            cap = 1 << max(10, (n - 1).bit_length())
+            host = torch.empty(cap, dtype=torch.int64, pin_memory=True)
+            self._ids = (host.numpy(), host, torch.empty(cap, dtype=torch.int64, device=self.device))
+        view, host, dev = self._ids
+        view[:n] = a
+        out = dev[:n]
+        out.copy_(host[:n], non_blocking=True)
+        return out
+
+    def crc(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """n int32 on the device (the rows' CRCs) and n pinned int32 on the host (where they land)."""
+        if not LANE_BUFFERS:
+            return (torch.empty(n, dtype=torch.int32, device=self.device),
+                    torch.empty(n, dtype=torch.int32, pin_memory=True))
+        if self._crc is None or self._crc[0].numel() < n:
+            cap = 1 << max(10, (n - 1).bit_length())
+            self._crc = (torch.empty(cap, dtype=torch.int32, device=self.device),
+                         torch.empty(cap, dtype=torch.int32, pin_memory=True))
+        return self._crc[0][:n], self._crc[1][:n]
 
     def synchronize(self) -> None:
         self.kernels.synchronize()
@@ -337,6 +371,11 @@ def host_runs(srcs: Sequence[torch.Tensor], row_bytes: int) -> list[tuple[int, i
 # the stream (the lane's kernel stream, behind the engine's event): the copy thread's launches stalled
 # there 0.28 ms a part on the H100 (the call timelines' gather.lane -> gather.ids).
 ASYNC_IDS = os.environ.get("KVTUNE_ASYNC_IDS", "1") == "1"
+# LANE_BUFFERS (KVTUNE_LANE_BUFFERS=0: an A/B): a copy job's ids and CRCs go through buffers its lane keeps
+# (_Lane.ids, _Lane.crc), not through new tensors per call; and a Load queues its first chunk's H2D before
+# its ids go to the device (only the scatter kernels need them). H100 call timelines of 256 MiB batches
+# (BENCHMARKS.md, "Lead, 2026-12-07 21:25"): gather.lane -> gather.ids 0.31-0.43 ms, all before the first DMA.
+LANE_BUFFERS = os.environ.get("KVTUNE_LANE_BUFFERS", "1") == "1"
 
 
 def _device_ids(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -660,6 +699,12 @@ class CudaEngineMemory:
                 sizes.append(k)
                 k *= 2
             crc_out = torch.empty(per, dtype=torch.int32, device=dev) if crc is not None else None
+            # the lane's ids and CRC buffers at the size of the largest job this pool can ask for (its
+            # distinct ids), so that a fresh daemon's first Store allocates no pinned or device memory
+            most = min(self.spec.num_blocks, IDS_WARM_MAX)
+            lane.ids(np.zeros(most, dtype=np.int64))
+            if crc is not None:
+                lane.crc(most)
             for k in sizes:
                 idx = torch.zeros(k, dtype=torch.long, device=dev)
                 rows = self._gather_dev(idx, out=staging[0, :k * bb].view(self._dtype).view(k, self._row))
@@ -790,8 +835,8 @@ class CudaEngineMemory:
                 with torch.cuda.stream(lane.kernels):
                     if self._event is not None:
                         lane.kernels.wait_event(self._event)  # the engine's writes to these blocks come first
-                    idx = _device_ids(block_ids, self._dev.device)
-                    crc_dev = torch.empty(n_all, dtype=torch.int32, device=self._dev.device) if gpu_crc else None
+                    idx = lane.ids(block_ids)
+                    crc_dev, crc_host = lane.crc(n_all) if gpu_crc else (None, None)
                 TRACE.mark(0, "gather.ids")  # (the first chunk's steps too: where a cold first Store's launch goes)
                 free_after: list[torch.cuda.Event | None] = [None] * STAGING_SLOTS
                 done = []
@@ -823,7 +868,6 @@ class CudaEngineMemory:
                     enqueued()
                 sums: list[int] = []
                 if gpu_crc is not None:
-                    crc_host = torch.empty(n_all, dtype=torch.int32, pin_memory=True)
                     with torch.cuda.stream(lane.kernels):
                         crc_host.copy_(crc_dev, non_blocking=True)
                     lane.kernels.synchronize()
@@ -877,8 +921,10 @@ class CudaEngineMemory:
         with self._inflight, torch.cuda.device(self._dev.index), self._dev.lane() as lane:
             try:
                 staging = lane.staging(chunks[0] * bb)
-                with torch.cuda.stream(lane.kernels):
-                    idx = _device_ids(block_ids, self._dev.device)
+                idx = None
+                if not LANE_BUFFERS:
+                    with torch.cuda.stream(lane.kernels):
+                        idx = lane.ids(block_ids)
                 free_after: list[torch.cuda.Event | None] = [None] * STAGING_SLOTS
                 lo = 0
                 for j, k in enumerate(chunks):
@@ -889,6 +935,9 @@ class CudaEngineMemory:
                     with torch.cuda.stream(lane.dma):
                         fill(staged, lo, k, lane.dma)
                         copied = lane.dma.record_event()
+                    if idx is None:  # the first H2D is queued: now the ids, which only the scatter kernels need
+                        with torch.cuda.stream(lane.kernels):
+                            idx = lane.ids(block_ids)
                     lane.kernels.wait_event(copied)
                     with torch.cuda.stream(lane.kernels):
                         self._scatter_dev(idx[lo:lo + k], staged)
