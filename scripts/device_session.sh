@@ -20,7 +20,7 @@
 #   ab:V=X[+W=Y]  the 2 GiB rows of 256 KiB and 64 KiB blocks with KVTUNE_* knobs set (an A/B beside bw)      75
 #   tok        16k- and 32k-token batches at the smaller block sizes: 256 KiB blocks (an 8B model at TP 8: one  120
 #              engine's share) in 256 / 512 MiB batches, 64 KiB in 64 / 128 MiB (bw keeps 2 / 4 GiB for all)
-#   gputest:EXPR  the GPU tests of tests/test_gpu.py whose names match EXPR (pytest -k)                   120
+#   gputest:A+B   the GPU tests of tests/test_gpu.py whose names match A or B (pytest -k "A or B")                 120
 #   keys       the 2 GiB rows of 64 and 256 KiB blocks with blocks_per_key 1, 4 and 16 (k engine blocks a   120
 #              daemon block: bench/gpu_bandwidth.py --blocks-per-key)
 #   tokk       tok with keys: 256 KiB blocks 1, 8 and 16 a key, 64 KiB blocks 1, 4 and 16 a key (issue 10's    200
@@ -82,7 +82,7 @@ for p in ${PHASES//,/ }; do
          [[ -f $D/pool.md ]] && cat "$D/pool.md" >> "$S" ;;
     tok) phase tok256 60 "${BW[@]/2048,256,64/256}" --batch-mib 256,512
          phase tok64 60 "${BW[@]/2048,256,64/64}" --batch-mib 64,128 ;;
-    gputest:*) phase "$p" 120 python3 -m pytest -m gpu -q -rA -p no:cacheprovider -k "${p#gputest:}" tests/test_gpu.py ;;
+    gputest:*) e=${p#gputest:}; phase "$p" 120 python3 -m pytest -m gpu -q -rA -p no:cacheprovider -k "${e//+/ or }" tests/test_gpu.py ;;
     tokk) phase tokk256 100 "${BW[@]/2048,256,64/256}" --batch-mib 256,512 --blocks-per-key 1,8,16
           phase tokk64 100 "${BW[@]/2048,256,64/64}" --batch-mib 64,128 --blocks-per-key 1,4,16 ;;
     tracetok) phase tracetok 100 env KVTUNE_TRACE="$D/tracetok.jsonl" "${BW[@]/2048,256,64/256}" --batch-mib 256 \
