@@ -371,11 +371,13 @@ def host_runs(srcs: Sequence[torch.Tensor], row_bytes: int) -> list[tuple[int, i
 # the stream (the lane's kernel stream, behind the engine's event): the copy thread's launches stalled
 # there 0.28 ms a part on the H100 (the call timelines' gather.lane -> gather.ids).
 ASYNC_IDS = os.environ.get("KVTUNE_ASYNC_IDS", "1") == "1"
-# LANE_BUFFERS (KVTUNE_LANE_BUFFERS=0: an A/B): a copy job's ids and CRCs go through buffers its lane keeps
-# (_Lane.ids, _Lane.crc), not through new tensors per call; and a Load queues its first chunk's H2D before
-# its ids go to the device (only the scatter kernels need them). H100 call timelines of 256 MiB batches
-# (BENCHMARKS.md, "Lead, 2026-12-07 21:25"): gather.lane -> gather.ids 0.31-0.43 ms, all before the first DMA.
-LANE_BUFFERS = os.environ.get("KVTUNE_LANE_BUFFERS", "1") == "1"
+# LANE_BUFFERS (KVTUNE_LANE_BUFFERS=1, an A/B; off by default until it has run on a GPU host): a copy job's
+# ids and CRCs go through buffers its lane keeps (_Lane.ids, _Lane.crc), not through new tensors per call;
+# and a Load queues its first chunk's H2D before its ids go to the device (only the scatter kernels need
+# them). H100 call timelines of 256 MiB batches (BENCHMARKS.md, "Lead, 2026-12-07 21:25"): gather.lane ->
+# gather.ids 0.31-0.43 ms, all before the first DMA. Written without device time left to run it: the GPU
+# tests with it on (KVTUNE_LANE_BUFFERS=1 in the environment of scripts/device_session.sh) come first.
+LANE_BUFFERS = os.environ.get("KVTUNE_LANE_BUFFERS", "0") == "1"
 
 
 def _device_ids(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -701,10 +703,11 @@ class CudaEngineMemory:
             crc_out = torch.empty(per, dtype=torch.int32, device=dev) if crc is not None else None
             # the lane's ids and CRC buffers at the size of the largest job this pool can ask for (its
             # distinct ids), so that a fresh daemon's first Store allocates no pinned or device memory
-            most = min(self.spec.num_blocks, IDS_WARM_MAX)
-            lane.ids(np.zeros(most, dtype=np.int64))
-            if crc is not None:
-                lane.crc(most)
+            if LANE_BUFFERS:
+                most = min(self.spec.num_blocks, IDS_WARM_MAX)
+                lane.ids(np.zeros(most, dtype=np.int64))
+                if crc is not None:
+                    lane.crc(most)
             for k in sizes:
                 idx = torch.zeros(k, dtype=torch.long, device=dev)
                 rows = self._gather_dev(idx, out=staging[0, :k * bb].view(self._dtype).view(k, self._row))
