@@ -108,37 +108,59 @@ def _extend(crc: int, buf: Buffer) -> int:
 _concat_tables: dict[int, np.ndarray] = {}
 
 
-def concat_tables(part_bytes: int) -> np.ndarray:
-    """[4, 256] uint32: row p maps byte p of a CRC32C c to its share of Z(c), where Z(c) is the linear
-    map CRC32C(A + B) = Z(CRC32C(A)) ^ CRC32C(B) for any B of part_bytes bytes (Z(c) = extend(c, zeros)
-    ^ extend(0, zeros): the conditioning cancels out). Built from 32 basis values, cached per length."""
+def _byte_tables(basis: Sequence[int]) -> np.ndarray:
+    """[4, 256] uint32: row p, column v = the XOR of basis[8p + i] over the bits i set in v (the
+    lookup tables of the linear map whose value on bit b is basis[b])."""
+    v = np.arange(256, dtype=np.uint32)
+    t = np.zeros((4, 256), dtype=np.uint32)
+    for p in range(4):
+        for i in range(8):
+            t[p] ^= np.where((v >> i) & 1, np.uint32(basis[8 * p + i]), np.uint32(0))
+    return t
+
+
+def _apply(t: np.ndarray, x: int) -> int:
+    return int(t[0, x & 0xFF] ^ t[1, (x >> 8) & 0xFF] ^ t[2, (x >> 16) & 0xFF] ^ t[3, x >> 24])
+
+
+def concat_tables(part_bytes: int, k: int = 2) -> np.ndarray:
+    """[k - 1, 4, 256] uint32: block m - 1 holds the byte tables of Z^m, where Z is the linear map
+    CRC32C(A + B) = Z(CRC32C(A)) ^ CRC32C(B) for any B of part_bytes bytes (Z(c) = extend(c, zeros)
+    ^ extend(0, zeros): the conditioning cancels out), so Z^m moves a CRC past m parts. Z from 32
+    basis values; Z^m from Z^(m-1)'s basis through Z's tables. Cached per length, grown to the
+    largest k asked (KeyGroupMemory builds them at registration)."""
     t = _concat_tables.get(part_bytes)
     if t is None:
         zeros = bytes(part_bytes)
         z0 = google_crc32c.extend(0, zeros)
         basis = [google_crc32c.extend(1 << b, zeros) ^ z0 for b in range(32)]
-        t = np.zeros((4, 256), dtype=np.uint32)
-        for p in range(4):
-            for v in range(256):
-                acc = 0
-                for i in range(8):
-                    if v >> i & 1:
-                        acc ^= basis[8 * p + i]
-                t[p, v] = acc
-        t = _concat_tables.setdefault(part_bytes, t)
+        t = _byte_tables(basis)[None]
+    while t.shape[0] < k - 1:
+        z = t[0]
+        basis = [_apply(z, _apply_basis(t[-1], b)) for b in range(32)]
+        t = np.concatenate([t, _byte_tables(basis)[None]])
+    _concat_tables[part_bytes] = t  # (two threads growing it at once build the same tables)
     return t
+
+
+def _apply_basis(t: np.ndarray, b: int) -> int:
+    """The value on bit b of the linear map whose byte tables are t."""
+    return int(t[b // 8, 1 << (b % 8)])
 
 
 def concat_checksums(crcs: Sequence[int] | np.ndarray, k: int, part_bytes: int) -> list[int]:
     """The CRC32C of each run of k consecutive parts of part_bytes bytes, from the CRC32C of every
     part (len(crcs) = k x runs), without touching the bytes: what a daemon block of k engine blocks
-    is checked by, computed from the per-block checksums its copy made. Vectorised: ~k table
-    lookups a run."""
+    is checked by, computed from the per-block checksums its copy made. CRC(run) = XOR over j of
+    Z^(k-1-j)(crc_j): one table lookup per byte of every part's CRC, all at once (a fixed handful of
+    numpy calls whatever k: the fold sits between a Store's last copy and its answer)."""
     c = np.asarray(crcs, dtype=np.uint32).reshape(-1, k)
     if k == 1:
         return c[:, 0].tolist()
-    t = concat_tables(part_bytes)
-    acc = c[:, 0].copy()
-    for j in range(1, k):
-        acc = t[0][acc & 0xFF] ^ t[1][(acc >> 8) & 0xFF] ^ t[2][(acc >> 16) & 0xFF] ^ t[3][acc >> 24] ^ c[:, j]
+    t = concat_tables(part_bytes, k).reshape(-1)
+    n = len(c)
+    m = np.arange(k - 2, -1, -1, dtype=np.intp)  # column j: Z^(k-1-j), the tables' block k-2-j
+    rows = (m[:, None] * 4 + np.arange(4, dtype=np.intp)) * 256  # [k-1, 4]: byte p of column j's CRC
+    octets = c[:, :k - 1].astype("<u4").view(np.uint8).reshape(n, k - 1, 4)  # byte p = bits 8p..8p+7
+    acc = np.bitwise_xor.reduce(t.take(rows + octets).reshape(n, -1), axis=1) ^ c[:, k - 1]
     return acc.tolist()

@@ -79,7 +79,7 @@ class KeyGroupMemory:
         self.num_blocks = inner.num_blocks
         self.SIGNALS_ENQUEUED = getattr(inner, "SIGNALS_ENQUEUED", False)
         self._parts = np.arange(k, dtype=np.int64) * self.part_bytes  # a key's parts inside its slot
-        concat_tables(self.part_bytes)  # built at registration: not in the first Store's copy
+        concat_tables(self.part_bytes, k)  # built at registration: not in the first Store's copy
 
     def _part_offsets(self, offsets: Sequence[int]) -> np.ndarray:
         return (np.asarray(offsets, dtype=np.int64)[:, None] + self._parts).reshape(-1)
