@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -106,6 +107,7 @@ def _extend(crc: int, buf: Buffer) -> int:
 
 
 _concat_tables: dict[int, np.ndarray] = {}
+_concat_lock = threading.Lock()
 
 
 def _byte_tables(basis: Sequence[int]) -> np.ndarray:
@@ -130,6 +132,8 @@ def concat_tables(part_bytes: int, k: int = 2) -> np.ndarray:
     basis values; Z^m from Z^(m-1)'s basis through Z's tables. Cached per length, grown to the
     largest k asked (KeyGroupMemory builds them at registration)."""
     t = _concat_tables.get(part_bytes)
+    if t is not None and t.shape[0] >= k - 1:
+        return t
     if t is None:
         zeros = bytes(part_bytes)
         z0 = google_crc32c.extend(0, zeros)
@@ -139,7 +143,10 @@ def concat_tables(part_bytes: int, k: int = 2) -> np.ndarray:
         z = t[0]
         basis = [_apply(z, _apply_basis(t[-1], b)) for b in range(32)]
         t = np.concatenate([t, _byte_tables(basis)[None]])
-    _concat_tables[part_bytes] = t  # (two threads growing it at once build the same tables)
+    with _concat_lock:  # only ever grown: a thread that built fewer does not put back the shorter one
+        have = _concat_tables.get(part_bytes)
+        if have is None or have.shape[0] < t.shape[0]:
+            _concat_tables[part_bytes] = t
     return t
 
 
