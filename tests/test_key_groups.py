@@ -22,7 +22,7 @@ from kvservice.core.types import CacheError, ErrorCode, LoadStatus, StoreStatus,
 from kvservice.disk.tier_io import disk_capacity_for
 from kvservice.placement.index import DiskState
 from tests.corekit import CANARY, Pool, content, h, ns_spec, small_config, started_cache
-from tests.test_store_cancellation import until
+from tests.test_store_cancellation import cancel_after_steps, until
 
 K = 4  # engine blocks per key
 PART = 4096  # engine block bytes
@@ -212,16 +212,7 @@ async def test_a_keys_store_cancelled_after_any_number_of_loop_steps_leaves_noth
             for s in [*range(48), *(48 << i for i in range(10))]:
                 await store([1000 + base + j for j in range(4)], 2 * s)  # host full of other keys
                 batch = [base + j for j in range(4)]
-                task = asyncio.ensure_future(store(batch, 2 * s + 1))
-                for _ in range(s):
-                    await asyncio.sleep(0)
-                finished = task.done()
-                task.cancel()
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
-                await cache.tiers.drain()
+                finished = await cancel_after_steps(store(batch, 2 * s + 1), s)
                 await asyncio.get_running_loop().run_in_executor(cache._copy_pool, lambda: None)
                 await _settled(cache)
                 assert cache.audit() == [], f"after a cancel at step {s}"
@@ -265,15 +256,7 @@ async def test_a_keys_load_cancelled_after_any_number_of_loop_steps_leaves_nothi
             want = [content(i, KEY) for i in range(12)]
             for s in [*range(48), *(48 << i for i in range(10))]:
                 out = [48 + i for i in _engine_ids(12, s, 48)]
-                task = asyncio.ensure_future(cache.load(sid, hashes, out))
-                for _ in range(s):
-                    await asyncio.sleep(0)
-                finished = task.done()
-                task.cancel()
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
+                finished = await cancel_after_steps(cache.load(sid, hashes, out), s)
                 await _settled(cache)  # then the reads and copies in flight end (in their threads)
                 await until(lambda: cache.audit() == [], f"a clean audit after a cancel at step {s}: {cache.audit()}")
                 for i in out:

@@ -93,6 +93,21 @@ async def cancelled(task: asyncio.Task) -> None:
         await task
 
 
+async def cancel_after_steps(aw, steps: int) -> bool:
+    """Run aw as a task for `steps` event-loop steps, then cancel it and wait for it; returns
+    whether it had finished before the cancel (then its outcome stands)."""
+    task = asyncio.ensure_future(aw)
+    for _ in range(steps):
+        await asyncio.sleep(0)
+    finished = task.done()
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    return finished
+
+
 async def restore_works(eng: Engine, numbers: list[int]) -> None:
     rs = await eng.store(numbers)
     assert [r.status for r in rs] == [StoreStatus.STORED] * len(numbers), [r.message for r in rs]
@@ -300,15 +315,7 @@ async def test_cancelling_a_store_after_any_number_of_loop_steps_leaves_nothing_
         for k in [*range(64), *(64 << i for i in range(10))]:
             await eng.store([1000 + base + j for j in range(4)])  # host full of other blocks
             batch = [base + j for j in range(4)]
-            task = asyncio.ensure_future(eng.store(batch))
-            for _ in range(k):
-                await asyncio.sleep(0)
-            finished = task.done()
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+            finished = await cancel_after_steps(eng.store(batch), k)
             await cache.tiers.drain()
             await asyncio.get_running_loop().run_in_executor(cache._copy_pool, lambda: None)
             await until(lambda: cache.audit() == [], f"a clean audit after a cancel at step {k}: {cache.audit()}")

@@ -68,8 +68,9 @@ def flat_ids(keys: KeyIds | Sequence[Sequence[int]], k: int) -> np.ndarray:
 
 class KeyGroupMemory:
     """An engine pool's memory in keys of k blocks (blocks_per_key): the calls the core makes on a
-    session's memory (copies both ways, host rows for disk reads), for such a session. Block ids are per key (KeyIds or k-tuples), slot offsets are the keys' slots
-    of k x the pool's block bytes, checksums are of a key's bytes as the slot holds them."""
+    session's memory (copies both ways, host rows for disk reads), for such a session. Block ids are
+    per key (KeyIds or k-tuples), slot offsets are the keys' slots of k x the pool's block bytes,
+    checksums are of a key's bytes as the slot holds them."""
 
     def __init__(self, inner: EngineMemory, k: int) -> None:
         self.inner = inner
