@@ -125,6 +125,26 @@ def test_layout_plan_gathers_and_scatters_whole_blocks(layout, layers, regions):
     assert torch.equal(base[untouched], before[untouched])
 
 
+def test_driver_launches_see_uniform_aligned_layouts_as_one_strided_view():
+    """Scenario: the lean launch path (kvservice.memory.cuda_launch) takes a layout only when its regions
+    are one [regions, blocks, row] view with 8-byte alignment, and moves 16-byte words where it can;
+    anything else stays on the torch path (PoolRows.of is None)."""
+    from kvservice.memory.cuda_launch import PoolRows
+
+    lf = _spec("layer-first", 64, 256 << 10, 32)  # 64 regions of 4 KiB
+    rows = PoolRows.of(1 << 20, lf.regions)
+    assert (rows.regions, rows.rstride, rows.bstride, rows.row_bytes, rows.width) == (
+        64, lf.regions[1].offset - lf.regions[0].offset, 4096, 4096, 16)
+    assert rows.threads() == 256
+    bc = PoolRows.of(1 << 20, _spec("block-contiguous", 8, 2 << 20).regions)
+    assert (bc.regions, bc.rstride, bc.bstride, bc.row_bytes, bc.width) == (1, 0, 2 << 20, 2 << 20, 16)
+    assert PoolRows.of(8, _spec("block-contiguous", 8, 4096).regions).width == 8
+    odd = tuple(PoolRegion(8 + i * 48, 24 * 4, 24) for i in range(2))  # 24-byte rows: 8-byte words
+    assert PoolRows.of(0, odd).width == 8 and PoolRows.of(0, odd).threads() == 32
+    assert PoolRows.of(0, (PoolRegion(0, 96, 32), PoolRegion(4096, 64, 16))) is None  # not one view
+    assert PoolRows.of(0, (PoolRegion(4, 12, 12),)) is None  # 4-byte aligned only
+
+
 def test_element_width_follows_the_layout_alignment():
     """Scenario: kernels move 8-byte elements when every offset, stride and row allows it."""
     assert cuda_memory.element_bytes(_spec("layer-first", 8, 4096, 2)) == 8
@@ -347,6 +367,86 @@ def test_scattered_arena_slots_and_many_chunks_move_exactly():
                            + "\n", capture_output=True, text=True, env=child_env(), timeout=120, cwd=ROOT)
         assert p.returncode == 0, p.stderr[-3000:]
         assert json.loads(p.stdout.strip().splitlines()[-1]) == {"landed": True, "crcs": True, "loaded": True}
+    finally:
+        pool.close()
+
+
+_LEAN_CHILD = r"""
+import json, random, sys
+import torch
+from kvservice.checksum import checksum
+from kvservice.core.sessions_api import PoolRegion, PoolSpec
+from kvservice.memory import cuda_memory
+from kvservice.memory.host_arena import HostArena
+from kvwire.v1 import kvcache_pb2
+from engine_client.shm_pool import _regions
+
+cuda_memory.CHUNK_BYTES = 1 << 20  # many chunks: the staging slots and their events go round
+desc = kvcache_pb2.PoolDescription.FromString(bytes.fromhex(sys.stdin.readline().strip()))
+size = desc.cuda.size
+layouts = {  # name: (block bytes, blocks, regions over the same pool memory)
+    "layer-first 16 KiB": (16 << 10, 2048, _regions(2048, 16 << 10, "layer-first", 4)),
+    "block-contiguous 64 KiB": (64 << 10, 512, _regions(512, 64 << 10, "block-contiguous", 1)),
+    "24-byte rows, 8-byte words": (48, 4096, [PoolRegion(8 + i * 24, 96, 24) for i in range(2)]),
+}
+out = {}
+rng = random.Random(7)
+for name, (bb, nb, regs) in layouts.items():
+    spec = PoolSpec("cuda", nb, tuple(PoolRegion(r.offset, r.block_stride, r.block_bytes) for r in regs), size,
+                    cuda_handle=desc.cuda.handle, cuda_device_index=desc.cuda.device_index)
+    n = min(1000, nb // 2)
+    cuda_memory.LEAN_LAUNCH = True
+    lean = cuda_memory.CudaEngineMemory(spec)
+    cuda_memory.LEAN_LAUNCH = False
+    plain = cuda_memory.CudaEngineMemory(spec)
+    arena = HostArena(4 * n * bb, pin=True)
+    ids = list(range(nb)); rng.shuffle(ids)
+    src, dst = ids[:n], ids[n:2 * n]
+    slots = list(range(4 * n)); rng.shuffle(slots)
+    offs = [s * bb for s in slots[:n]]
+    back = [(i + 2 * n) * bb for i in range(n)]  # adjacent slots: runs, one copy each
+    dev = plain._dev.device
+    want = plain._gather_dev(torch.tensor(src, device=dev)).view(torch.uint8).cpu()
+    sums = lean.gather_into(src, arena, offs)
+    row = [checksum(want[i]) for i in range(n)]
+    r = {"lean": lean._launcher is not None, "landed": all(torch.equal(arena.row(o, bb), want[i]) for i, o in enumerate(offs)),
+         "crcs": sums == row, "plain_crcs": plain.gather_into(src, arena, back) == row,
+         "both": all(torch.equal(arena.row(a, bb), arena.row(b, bb)) for a, b in zip(offs, back)),
+         "plain_gather": all(torch.equal(x, want[i]) for i, x in enumerate(lean.gather(src[:5])))}
+    order = list(range(n)); rng.shuffle(order)
+    lean.scatter_from([dst[i] for i in order], arena, [offs[i] for i in order])
+    r["loaded"] = torch.equal(plain._gather_dev(torch.tensor(dst, device=dev)).view(torch.uint8).cpu(), want)
+    lean.scatter_from(dst[:n // 2], arena, back[n // 2:n // 2 * 2])  # adjacent slots: one copy a run
+    r["loaded_runs"] = torch.equal(plain._gather_dev(torch.tensor(dst[:n // 2], device=dev)).view(torch.uint8).cpu(),
+                                   want[n // 2:n // 2 * 2])
+    out[name] = r
+    lean.close(); plain.close(); arena.close()
+print(json.dumps(out))
+"""
+
+
+@gpu
+@needs_gpu
+def test_driver_launches_move_the_same_bytes_and_crcs_as_the_torch_path():
+    """Scenario: with KVTUNE_LEAN_LAUNCH the copy path launches its kernels and copies through libcuda
+    (kvservice.memory.cuda_launch). For a layer-first pool (16-byte words), a block-contiguous one and
+    a layout of 24-byte rows (8-byte words), blocks stored into scattered and adjacent arena slots land
+    byte for byte as the torch path lands them, with the same CRC32C, and Loads through the driver put
+    them back exactly; the lean path really ran (a helper process maps the pool, as the daemon does)."""
+    import json
+
+    from engine_client import CudaKVPool
+    from harness.daemon import child_env
+
+    pool = CudaKVPool(2048, 16 << 10, layout="layer-first", num_layers=4)
+    try:
+        pool.buffer.random_(0, 256)
+        torch.cuda.synchronize()
+        p = subprocess.run([sys.executable, "-c", _LEAN_CHILD], input=pool.description().SerializeToString().hex()
+                           + "\n", capture_output=True, text=True, env=child_env(), timeout=180, cwd=ROOT)
+        assert p.returncode == 0, p.stderr[-3000:]
+        got = json.loads(p.stdout.strip().splitlines()[-1])
+        assert got and all(all(r.values()) for r in got.values()), got
     finally:
         pool.close()
 

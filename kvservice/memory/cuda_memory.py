@@ -55,6 +55,7 @@ import numpy as np
 import torch
 
 from kvservice import checksum as _checksum
+from kvservice.memory.cuda_launch import LaneLaunches, Launcher, PoolRows
 from kvservice.memory.engine_pool import InFlight, validate_layout
 from kvservice.memory.host_arena import HostArena, runs
 from kvservice.core.sessions_api import PoolSpec
@@ -174,6 +175,8 @@ class _Lane:
         # may overwrite them
         self._ids: tuple[np.ndarray, torch.Tensor, torch.Tensor] | None = None
         self._crc: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._segs: torch.Tensor | None = None
+        self._launches: LaneLaunches | None = None
 
     def staging(self, chunk_bytes: int) -> torch.Tensor:
         """[STAGING_SLOTS, >= chunk_bytes] uint8 on the device. Called at a job's start, when the
@@ -190,6 +193,14 @@ class _Lane:
         Without LANE_BUFFERS: _device_ids (torch's caching host allocator, per call)."""
         if not LANE_BUFFERS:
             return _device_ids(block_ids, self.device)
+        n, host, dev = self.stage_ids(block_ids)
+        out = dev[:n]
+        out.copy_(host[:n], non_blocking=True)
+        return out
+
+    def stage_ids(self, block_ids: Sequence[int]) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """The ids written into this lane's pinned buffer: (n, pinned host int64, device int64 of the
+        same capacity); the caller copies host[:n] to the device."""
         a = np.asarray(block_ids, dtype=np.int64)
         n = a.size
         if self._ids is None or self._ids[0].size < n:
@@ -198,13 +209,30 @@ class _Lane:
             self._ids = (host.numpy(), host, torch.empty(cap, dtype=torch.int64, device=self.device))
         view, host, dev = self._ids
         view[:n] = a
-        out = dev[:n]
-        out.copy_(host[:n], non_blocking=True)
-        return out
+        return n, host, dev
 
-    def crc(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """n int32 on the device (the rows' CRCs) and n pinned int32 on the host (where they land)."""
-        if not LANE_BUFFERS:
+    def segs(self, n: int) -> torch.Tensor:
+        """n int32 on the device: the GPU CRC's per-segment values of a chunk (lean launches)."""
+        if self._segs is None or self._segs.numel() < n:
+            self._segs = torch.empty(1 << max(10, (n - 1).bit_length()), dtype=torch.int32, device=self.device)
+        return self._segs
+
+    def launches(self, launcher: Launcher) -> LaneLaunches:
+        """This lane's parameter buffers and events for the driver launches (made at its first lean job)."""
+        if self._launches is None:
+            self._launches = launcher.lease()
+        return self._launches
+
+    def close(self) -> None:
+        if self._launches is not None:
+            self._launches.enter()
+            self._launches.close()
+            self._launches = None
+
+    def crc(self, n: int, keep: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """n int32 on the device (the rows' CRCs) and n pinned int32 on the host (where they land).
+        keep: through buffers this lane keeps (always with LANE_BUFFERS, and for lean launches)."""
+        if not (keep or LANE_BUFFERS):
             return (torch.empty(n, dtype=torch.int32, device=self.device),
                     torch.empty(n, dtype=torch.int32, pin_memory=True))
         if self._crc is None or self._crc[0].numel() < n:
@@ -229,14 +257,20 @@ class _Device:
         self.crc: _GpuCrc | None = None
         self.crc_state = "unknown"  # "on" | "off" once decided (GPU CRC32C built and self-tested, or not)
         self.crc_lock = threading.Lock()
+        self.launcher: Launcher | None = None
+        self.launcher_state = "unknown"  # "on" | "off" once decided (LEAN_LAUNCH: the driver launches built)
 
     def drop_lanes(self) -> None:
         """Forget idle lanes (and their staging): called when the device's last session closed."""
         while True:
             try:
-                self._lanes.get_nowait()
+                lane = self._lanes.get_nowait()
             except queue.Empty:
                 return
+            try:
+                lane.close()
+            except Exception as e:  # an event the driver refuses to destroy: it goes with the context
+                log.warning("device %d: closing a copy lane: %s", self.index, e)
 
     @contextmanager
     def lane(self) -> Iterator[_Lane]:
@@ -378,6 +412,11 @@ ASYNC_IDS = os.environ.get("KVTUNE_ASYNC_IDS", "1") == "1"
 # gather.ids 0.31-0.43 ms, all before the first DMA. Written without device time left to run it: the GPU
 # tests with it on (KVTUNE_LANE_BUFFERS=1 in the environment of scripts/device_session.sh) come first.
 LANE_BUFFERS = os.environ.get("KVTUNE_LANE_BUFFERS", "0") == "1"
+# LEAN_LAUNCH (KVTUNE_LEAN_LAUNCH=1, an A/B; off until it has run on a GPU host): a chunk's gather or
+# scatter kernel, CRC kernels, copies and events go through libcuda directly (kvservice.memory.cuda_launch:
+# one ctypes call each, the GIL released in it) instead of torch ops; pools whose regions are not one
+# 8-byte-aligned strided view, and CRCs on the CPU, keep the torch path.
+LEAN_LAUNCH = os.environ.get("KVTUNE_LEAN_LAUNCH", "0") == "1"
 
 
 def _device_ids(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -609,6 +648,27 @@ def _gpu_crc_for(dev: _Device) -> _GpuCrc | None:
     return dev.crc
 
 
+def _launcher_for(dev: _Device, crc: _GpuCrc | None) -> Launcher | None:
+    """The device's driver launches, built on first use (with the GPU CRC's kernels when it has them);
+    None: not available here (no CuPy, no libcuda): the torch path moves the bytes."""
+    if dev.launcher_state == "unknown":
+        with dev.crc_lock:
+            if dev.launcher_state == "unknown":
+                try:
+                    with torch.cuda.device(dev.index):
+                        dev.launcher = Launcher(dev.index, crc)
+                    dev.launcher_state = "on"
+                    log.info("device %d: copies launched through the CUDA driver directly", dev.index)
+                except Exception as e:
+                    dev.launcher_state = "off"
+                    log.warning("device %d: driver launches unavailable (%s: %s); launching through torch",
+                                dev.index, type(e).__name__, e)
+    launcher = dev.launcher
+    if launcher is not None and launcher.crc is not crc:
+        return None  # built without the CRC kernels this pool's Stores need
+    return launcher
+
+
 class _DevicePointer:
     """Hands a raw device pointer to torch.as_tensor without a copy; the tensor keeps this alive."""
 
@@ -622,6 +682,10 @@ class _DevicePointer:
 
 class CudaEngineMemory:
     """An engine's CUDA KV pool, mapped once per session through its IPC handle."""
+
+    _rows: PoolRows | None = None  # the layout as the driver launches see it (LEAN_LAUNCH), else None
+    _launcher: Launcher | None = None
+    _crc: _GpuCrc | None = None
 
     def __init__(self, spec: PoolSpec) -> None:
         global _open_mappings
@@ -656,6 +720,9 @@ class CudaEngineMemory:
                 crc = _gpu_crc_for(self._dev) if crc_segment_bytes(spec.block_bytes) else None
                 if crc is not None:
                     crc.prepare(spec.block_bytes)
+                self._rows = PoolRows.of(self._ptr, spec.regions) if LEAN_LAUNCH else None
+                self._launcher = _launcher_for(self._dev, crc) if self._rows is not None else None
+                self._crc = crc
                 self._warm_up(crc)
         except BaseException:
             self._release()
@@ -732,8 +799,33 @@ class CudaEngineMemory:
                 if self._uniform:
                     self._view3 = real[0]
                 self._views = real[1]
+            if self._launcher is not None:
+                self._warm_lean(lane, staging, crc)
             lane.synchronize()
         _warm_pinned_ids(min(self.spec.num_blocks, IDS_WARM_MAX))
+
+    def _warm_lean(self, lane: _Lane, staging: torch.Tensor, crc: _GpuCrc | None) -> None:
+        """The driver launches once each (a gather of block 0 and its CRC, a scatter into scratch rows
+        shaped as the pool's) and the lane's buffers at the largest job's size."""
+        bb, rows = self.block_bytes, self._rows
+        go = lane.launches(self._launcher)
+        go.enter()
+        most = min(self.spec.num_blocks, IDS_WARM_MAX)
+        lane.stage_ids(np.zeros(most, dtype=np.int64))
+        if crc is not None:
+            lane.crc(most, keep=True)
+            seg = crc_segment_bytes(bb)
+            lane.segs(chunk_rows(1 << 20, bb)[0] * (bb // seg))
+        n, host, dev = lane.stage_ids([0])
+        ks = lane.kernels.cuda_stream
+        go.d.htod(dev.data_ptr(), host.data_ptr(), 8, ks)
+        go.rows(True, rows, dev.data_ptr(), 1, staging.data_ptr(), ks)
+        if crc is not None:
+            self._crc_lean(go, lane, staging.data_ptr(), 1, lane.crc(1, keep=True)[0].data_ptr(), ks)
+        scratch = torch.empty(rows.regions * rows.row_bytes, dtype=torch.uint8, device=self._dev.device)
+        go.rows(False, PoolRows(scratch.data_ptr(), rows.regions, rows.row_bytes, 0, rows.row_bytes, rows.width),
+                dev.data_ptr(), 1, staging.data_ptr(), ks)
+        go.d.sync(ks)
 
     def _warm_batch_copy(self, host: torch.Tensor, rows: torch.Tensor, stream: torch.cuda.Stream) -> None:
         """One cudaMemcpyBatchAsync (what a chunk of many runs of slots copies with), device row ->
@@ -831,6 +923,8 @@ class CudaEngineMemory:
         offs = np.asarray(offsets, dtype=np.int64)
         chunks = chunk_rows(n_all, bb)
         gpu_crc = _gpu_crc_for(self._dev) if with_checksums and crc_segment_bytes(bb) else None
+        if self._launcher is not None and (gpu_crc is not None or not with_checksums):
+            return self._gather_lean(base, block_ids, offs, chunks, gpu_crc is not None, enqueued)
         with self._inflight, torch.cuda.device(self._dev.index), self._dev.lane() as lane:
             try:
                 staging = lane.staging(chunks[0] * bb)
@@ -906,6 +1000,9 @@ class CudaEngineMemory:
         base = arena.base
         offs = np.asarray(offsets, dtype=np.int64)
 
+        if self._launcher is not None:
+            return self._scatter_lean(block_ids, base.data_ptr(), offs, enqueued)
+
         def fill(staged: torch.Tensor, lo: int, k: int, stream: torch.cuda.Stream) -> None:
             self._copy_runs_in(staged, [(first, n, base[off:off + n * bb]) for first, n, off in runs(offs[lo:lo + k], bb)],
                                stream)
@@ -949,6 +1046,136 @@ class CudaEngineMemory:
                 TRACE.mark(0, "scatter.queued")
                 if enqueued is not None:
                     enqueued()
+            finally:
+                lane.synchronize()  # the Load reply promises the bytes are in the engine's memory
+        TRACE.mark(0, "scatter.done")
+
+    # --- the same copies through the driver (LEAN_LAUNCH; kvservice.memory.cuda_launch)
+    def _crc_lean(self, go: LaneLaunches, lane: _Lane, data: int, n: int, out: int, stream: int) -> None:
+        crc, bb = self._crc, self.block_bytes
+        seg = crc_segment_bytes(bb)
+        segs = lane.segs(n * (bb // seg))
+        go.crc(data, n, bb, seg, segs.data_ptr(), out, crc._tables.data_ptr(), crc._shift[seg].data_ptr(),
+               crc._zero[bb], stream)
+
+    def _runs_lean(self, go: LaneLaunches, to_host: bool, staged: int, base: int, spans: Sequence[tuple[int, int, int]],
+                   stream: int) -> None:
+        """The copies of (first row, rows, byte offset in base) runs between staged rows and host slots:
+        one driver call each, or one cudaMemcpyBatchAsync past MAX_RUN_COPIES."""
+        global _batch_copy_ok
+        bb = self.block_bytes
+        if len(spans) > MAX_RUN_COPIES and _batch_copy_ok:
+            host = [base + off for _, _, off in spans]
+            dev = [staged + first * bb for first, _, _ in spans]
+            try:
+                if _rt().memcpy_batch(host if to_host else dev, dev if to_host else host, [n * bb for _, n, _ in spans],
+                                      stream):
+                    return
+            except Exception as e:
+                log.warning("cudaMemcpyBatchAsync failed (%s); using one copy per run from now on", e)
+            _batch_copy_ok = False
+        copy = go.d.dtoh if to_host else go.d.htod
+        for first, n, off in spans:
+            if to_host:
+                copy(base + off, staged + first * bb, n * bb, stream)
+            else:
+                copy(staged + first * bb, base + off, n * bb, stream)
+
+    def _gather_lean(self, base: torch.Tensor, block_ids: Sequence[int], offs: np.ndarray, chunks: list[int],
+                     with_crc: bool, enqueued: Callable[[], None] | None) -> list[int]:
+        """_gather_to through the driver: per chunk j one gather kernel into staging slot j % STAGING_SLOTS
+        (once the D2H of chunk j - STAGING_SLOTS has left it), the CRC kernels beside the D2H of its runs."""
+        bb, n_all, rows = self.block_bytes, len(block_ids), self._rows
+        host_base = base.data_ptr()
+        with self._inflight, torch.cuda.device(self._dev.index), self._dev.lane() as lane:
+            go = lane.launches(self._launcher)
+            try:
+                go.enter()
+                staging = lane.staging(chunks[0] * bb)
+                sbase, width = staging.data_ptr(), staging.stride(0)
+                ks, ds = lane.kernels.cuda_stream, lane.dma.cuda_stream
+                TRACE.mark(0, "gather.lane")
+                if self._event is not None:
+                    lane.kernels.wait_event(self._event)  # the engine's writes to these blocks come first
+                n, host_ids, dev_ids = lane.stage_ids(block_ids)
+                go.d.htod(dev_ids.data_ptr(), host_ids.data_ptr(), 8 * n, ks)
+                ids = dev_ids.data_ptr()
+                crc_dev, crc_host = lane.crc(n_all, keep=True) if with_crc else (None, None)
+                ev = go.events(2 * STAGING_SLOTS)  # [slot]: gathered; [STAGING_SLOTS + slot]: the slot is free again
+                TRACE.mark(0, "gather.ids")
+                used = [False] * STAGING_SLOTS
+                lo = 0
+                for j, k in enumerate(chunks):
+                    slot = j % STAGING_SLOTS
+                    staged = sbase + slot * width
+                    if used[slot]:
+                        go.d.wait(ks, ev[STAGING_SLOTS + slot])
+                    go.rows(True, rows, ids + 8 * lo, k, staged, ks)
+                    go.d.record(ev[slot], ks)
+                    if crc_dev is not None:
+                        self._crc_lean(go, lane, staged, k, crc_dev.data_ptr() + 4 * lo, ks)
+                    go.d.wait(ds, ev[slot])
+                    self._runs_lean(go, True, staged, host_base, runs(offs[lo:lo + k], bb), ds)
+                    go.d.record(ev[STAGING_SLOTS + slot], ds)
+                    used[slot] = True
+                    if not j:
+                        TRACE.mark(0, "gather.d2h0")
+                    lo += k
+                TRACE.mark(0, "gather.queued")
+                if enqueued is not None:
+                    enqueued()
+                sums: list[int] = []
+                if crc_dev is not None:
+                    go.d.dtoh(crc_host.data_ptr(), crc_dev.data_ptr(), 4 * n_all, ks)
+                    go.d.sync(ks)
+                    sums = crc_host.numpy().view(np.uint32).tolist()
+                go.d.sync(ds)
+            finally:
+                lane.synchronize()
+        TRACE.mark(0, "gather.done")
+        return sums
+
+    def _scatter_lean(self, block_ids: Sequence[int], host_base: int, offs: np.ndarray,
+                      enqueued: Callable[[], None] | None) -> None:
+        """scatter_from through the driver: per chunk j the H2D of its runs into staging slot
+        j % STAGING_SLOTS (once chunk j - STAGING_SLOTS was scattered out of it), then one scatter
+        kernel; the ids go to the device after the first H2D is queued (only the kernels need them)."""
+        bb, n_all, rows = self.block_bytes, len(block_ids), self._rows
+        if n_all == 0:
+            return
+        chunks = chunk_rows(n_all, bb)
+        TRACE.mark(0, "scatter.start")
+        with self._inflight, torch.cuda.device(self._dev.index), self._dev.lane() as lane:
+            go = lane.launches(self._launcher)
+            try:
+                go.enter()
+                staging = lane.staging(chunks[0] * bb)
+                sbase, width = staging.data_ptr(), staging.stride(0)
+                ks, ds = lane.kernels.cuda_stream, lane.dma.cuda_stream
+                ev = go.events(2 * STAGING_SLOTS)  # [slot]: copied in; [STAGING_SLOTS + slot]: scattered out
+                used = [False] * STAGING_SLOTS
+                ids = 0
+                lo = 0
+                for j, k in enumerate(chunks):
+                    slot = j % STAGING_SLOTS
+                    staged = sbase + slot * width
+                    if used[slot]:
+                        go.d.wait(ds, ev[STAGING_SLOTS + slot])
+                    self._runs_lean(go, False, staged, host_base, runs(offs[lo:lo + k], bb), ds)
+                    go.d.record(ev[slot], ds)
+                    if not ids:
+                        n, host_ids, dev_ids = lane.stage_ids(block_ids)
+                        go.d.htod(dev_ids.data_ptr(), host_ids.data_ptr(), 8 * n, ks)
+                        ids = dev_ids.data_ptr()
+                    go.d.wait(ks, ev[slot])
+                    go.rows(False, rows, ids + 8 * lo, k, staged, ks)
+                    go.d.record(ev[STAGING_SLOTS + slot], ks)
+                    used[slot] = True
+                    lo += k
+                TRACE.mark(0, "scatter.queued")
+                if enqueued is not None:
+                    enqueued()
+                go.d.sync(ks)
             finally:
                 lane.synchronize()  # the Load reply promises the bytes are in the engine's memory
         TRACE.mark(0, "scatter.done")
