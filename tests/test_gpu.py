@@ -402,9 +402,9 @@ for name, (bb, nb, regs) in layouts.items():
     arena = HostArena(4 * n * bb, pin=True)
     ids = list(range(nb)); rng.shuffle(ids)
     src, dst = ids[:n], ids[n:2 * n]
-    slots = list(range(4 * n)); rng.shuffle(slots)
-    offs = [s * bb for s in slots[:n]]
-    back = [(i + 2 * n) * bb for i in range(n)]  # adjacent slots: runs, one copy each
+    slots = list(range(2 * n)); rng.shuffle(slots)
+    offs = [s * bb for s in slots[:n]]  # scattered over the arena's first 2n slots
+    back = [(i + 2 * n) * bb for i in range(n)]  # adjacent slots past them: runs, one copy each
     dev = plain._dev.device
     want = plain._gather_dev(torch.tensor(src, device=dev)).view(torch.uint8).cpu()
     sums = lean.gather_into(src, arena, offs)
