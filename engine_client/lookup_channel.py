@@ -1,8 +1,9 @@
-"""The engine's side of the Lookup channel: Lookup (and, from AsyncKVClient's loop, Store and Load) as
-frames on a plain Unix socket, no gRPC.
+"""The engine's side of the Lookup channel: Lookup, Store and Load as frames on a plain Unix socket, no
+gRPC (blocking callers' on their own thread: KVClient; an asyncio engine's on its loop: AsyncKVClient).
 
     channel = LookupChannel(path, timeout)     # path: OpenSessionReply.lookup_socket
     reply = channel.call(framed)               # a framed LookupRequest -> ChannelReply; blocking
+    reply = channel.call(parts, limit)         # a Store or Load (data_request_parts), the same way
     channel.pipeline().send(framed, on_answer)  # the same, not blocking: on_answer(reply, failure)
     channel.close()                            # on the pipeline's reader thread
 
@@ -80,9 +81,12 @@ class LookupChannel:
         """Worth trying now: not closed, and no fresh connection failed in the last DOWN_SECONDS."""
         return not self._closed and time.monotonic() >= self._down_until
 
-    def call(self, framed: bytes) -> kvcache_pb2.ChannelReply:
+    def call(self, framed: bytes | Sequence[bytes | memoryview], limit: int = MAX_REPLY_BYTES
+             ) -> kvcache_pb2.ChannelReply:
         """Send one LookupRequest, serialized and framed (kvwire.lookup_frames.request_frame, or
-        frame(request.SerializeToString())); the daemon's ChannelReply."""
+        frame(request.SerializeToString())), or any ChannelRequest as unframed parts (a Store or Load:
+        kvwire.lookup_frames.data_request_parts); the daemon's ChannelReply (`limit`: the largest
+        answer read)."""
         if self._closed:
             raise ChannelDown("the Lookup channel is closed")
         try:
@@ -90,7 +94,7 @@ class LookupChannel:
         except IndexError:
             sock, reused = self._open_one(), False
         try:
-            payload = self._round_trip(sock, framed)
+            payload = self._round_trip(sock, framed, limit)
         except ChannelDown:
             if not reused:
                 self._down_until = time.monotonic() + DOWN_SECONDS
@@ -98,7 +102,7 @@ class LookupChannel:
             self._drop_idle()  # connections of the same daemon life: a restart broke them all
             sock = self._open_one()
             try:
-                payload = self._round_trip(sock, framed)
+                payload = self._round_trip(sock, framed, limit)
             except ChannelDown:
                 self._down_until = time.monotonic() + DOWN_SECONDS
                 raise
@@ -168,11 +172,17 @@ class LookupChannel:
             raise ChannelDown(f"cannot connect to {self.path}: {e.strerror or e}") from None
         return sock
 
-    def _round_trip(self, sock: socket.socket, framed: bytes) -> bytes:
+    def _round_trip(self, sock: socket.socket, framed: bytes | Sequence[bytes | memoryview], limit: int) -> bytes:
         """The answer's payload; the socket is closed on any failure."""
         try:
-            sock.sendall(framed, _SEND_FLAGS)
-            return read_frame(sock)
+            if isinstance(framed, (bytes, bytearray, memoryview)):
+                sock.sendall(framed, _SEND_FLAGS)
+            else:  # parts: the frame's header, then each part as it is (no joined copy of a large request)
+                parts = [HEADER.pack(sum(map(len, framed))), *framed]
+                sent, total = sock.sendmsg(parts, (), _SEND_FLAGS), sum(map(len, parts))
+                if sent < total:
+                    sock.sendall(b"".join(parts)[sent:], _SEND_FLAGS)
+            return read_frame(sock, limit)
         except TimeoutError:
             self._close_one(sock)
             raise

@@ -10,6 +10,7 @@ import asyncio
 import os
 import signal
 import socket
+import threading
 from collections.abc import Iterator
 
 import grpc
@@ -263,6 +264,53 @@ def test_more_calls_in_flight_than_connections_go_over_grpc(daemon, pool):
             chain = c.hasher.hash_blocks(range(16 * 2 * k, 16 * (2 * k + 2)))
             assert [r.status for r in c.load(chain, [60, 61])] == [kvcache_pb2.LOADED] * 2
             assert pool.read_block(60) == content(2 * k) and pool.read_block(61) == content(2 * k + 1)
+
+
+def test_a_blocking_engine_stores_and_loads_from_its_own_thread_and_a_stalled_daemon_detaches_it(daemon, pool):
+    """Scenario: a blocking engine (KVClient) stores and loads while its client's loop thread is held
+    busy: the calls answer anyway, byte-exact (they go out on the caller's thread, not through the
+    loop), and never over gRPC. Then the daemon stalls (SIGSTOP): a Load past the 1 s timeout
+    answers MISSING "daemon unreachable" for every block and the client is detached when it
+    returns (its session closed: no copy into those blocks can come later), a Store answers
+    NOT_STORED; once the daemon resumes the client re-attaches and the blocks load exactly."""
+    with KVClient(daemon.target, NS, pool, client_name="caller thread", timeout=1.0) as client:
+        tried = refuse_grpc(client)
+        chain = client.hasher.hash_blocks(range(16 * 8))
+        gate, held, released = threading.Event(), threading.Event(), threading.Event()
+        waited_out: list[bool] = []
+
+        def hold() -> None:  # on the client's loop thread: nothing else runs there until the gate opens
+            held.set()
+            waited_out.append(not gate.wait(20))  # True: nobody opened it (a call waited for the loop)
+            released.set()
+        client._loop.call_soon_threadsafe(hold)
+        assert held.wait(10)
+        try:
+            assert [r.status for r in client.store(chain, list(range(8)))] == [STORED] * 8
+            for b in range(8, 16):
+                pool.write_block(b, b"\0" * BLOCK)
+            rs = client.load(chain, list(range(8, 16)))
+            assert [r.status for r in rs] == [kvcache_pb2.LOADED] * 8
+        finally:
+            gate.set()
+        assert released.wait(30) and waited_out == [False]  # both answered while the loop was held
+        assert all(pool.read_block(8 + i) == content(i) for i in range(8))
+
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            rs = client.load(chain, list(range(16, 24)))
+            assert [(r.status, r.message) for r in rs] == [(kvcache_pb2.MISSING, "daemon unreachable")] * 8
+            assert not client.attached
+            rs = client.store(client.hasher.hash_blocks(range(1000, 1000 + 16 * 2)), [0, 1])
+            assert [r.status for r in rs] == [kvcache_pb2.NOT_STORED] * 2
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        wait_for(lambda: client.attached, "the client re-attached", 30)
+        for b in range(16, 24):
+            pool.write_block(b, b"\0" * BLOCK)
+        assert [r.status for r in client.load(chain, list(range(16, 24)))] == [kvcache_pb2.LOADED] * 8
+        assert all(pool.read_block(16 + i) == content(i) for i in range(8))
+        assert tried == []
 
 
 @needs_root
