@@ -412,11 +412,13 @@ ASYNC_IDS = os.environ.get("KVTUNE_ASYNC_IDS", "1") == "1"
 # gather.ids 0.31-0.43 ms, all before the first DMA. Written without device time left to run it: the GPU
 # tests with it on (KVTUNE_LANE_BUFFERS=1 in the environment of scripts/device_session.sh) come first.
 LANE_BUFFERS = os.environ.get("KVTUNE_LANE_BUFFERS", "0") == "1"
-# LEAN_LAUNCH (KVTUNE_LEAN_LAUNCH=1, an A/B; off until it has run on a GPU host): a chunk's gather or
-# scatter kernel, CRC kernels, copies and events go through libcuda directly (kvservice.memory.cuda_launch:
-# one ctypes call each, the GIL released in it) instead of torch ops; pools whose regions are not one
-# 8-byte-aligned strided view, and CRCs on the CPU, keep the torch path.
-LEAN_LAUNCH = os.environ.get("KVTUNE_LEAN_LAUNCH", "0") == "1"
+# LEAN_LAUNCH (default; KVTUNE_LEAN_LAUNCH=0: the torch path, an A/B): a chunk's gather or scatter kernel,
+# CRC kernels, copies and events go through libcuda directly (kvservice.memory.cuda_launch: one ctypes call
+# each, the GIL released in it) instead of torch ops; pools whose regions are not one 8-byte-aligned
+# strided view, and CRCs on the CPU, keep the torch path. H100, 2026-12-08, A/B in one call (BENCHMARKS.md):
+# copy thread start -> first D2H of a 256 MiB Store 1.2 -> 0.41 ms; Store / Load x limit at 256 MiB
+# 0.57 / 0.67 -> 0.61 / 0.73 (k = 1), 0.65 / 0.73 -> 0.68 / 0.77 (8 a key); the GPU tests pass with it.
+LEAN_LAUNCH = os.environ.get("KVTUNE_LEAN_LAUNCH", "1") == "1"
 
 
 def _device_ids(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
