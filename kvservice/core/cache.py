@@ -44,7 +44,7 @@ from kvservice.ops.quoting import quoted
 from kvservice.core.sessions import Session, SessionTable
 from kvservice.core.sessions_api import MAIN_LISTENER, NamespaceSpec, OpenedSession, Peer, PoolSpec, SessionInfo
 from kvservice.ops.stats import CounterSet, Counters, Histogram
-from kvservice.core.tiers import Tiers
+from kvservice.core.tiers import Tiers, arena_bytes
 from kvservice.core.lifecycle import in_host_tier
 from kvservice.core.load_path import LoadPath
 from kvservice.core.prefetch_path import PrefetchPath
@@ -53,16 +53,6 @@ from kvservice.core.types import HASH_BYTES, BlockHash, BlockKey, CacheError, Er
 from kvservice.ops.trace import TRACE
 
 log = logging.getLogger(__name__)
-
-
-def spill_staging_bytes(config: Config) -> int:
-    """Arena bytes beside the host tier for victims whose spill is queued or being written, so a
-    Store does not wait for the disk: a quarter of the host tier, at least 64 MiB (at most the
-    tier itself), at most 1 GiB; none without a disk tier (victims are dropped, never staged)."""
-    if not config.has_disk:
-        return 0
-    host = config.host_capacity_bytes
-    return min(host, max(64 << 20, min(host // 4, 1 << 30)))
 
 
 class BlockCache(StorePath, LoadPath, PrefetchPath):
@@ -92,8 +82,7 @@ class BlockCache(StorePath, LoadPath, PrefetchPath):
         io = self._io if self._io is not None else open_backend(self.config.io_backend)
         self._io = throttled(io, self.config.disk_read_bytes_per_second, self.config.disk_write_bytes_per_second)
         # the host tier's memory, all of it, now: pinned where engines copy over PCIe
-        self.arena = HostArena(self.config.host_capacity_bytes + spill_staging_bytes(self.config),
-                               pin=torch.cuda.is_available())
+        self.arena = HostArena(arena_bytes(self.config), pin=torch.cuda.is_available())
         self.tiers = Tiers(self.config, self._io, self.stats, self.clock.now, self.arena)
         recovered = await self.tiers.recover()
         sizes = self.tiers.recovered_sizes  # one canary read per namespace

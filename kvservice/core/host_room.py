@@ -3,6 +3,8 @@
   make_host_room(size, n, now) -> fit, spills   evict LRU victims so n blocks fit: a victim with a disk copy
                                                 or dropped (no disk, the gate) frees its slot at once; the
                                                 rest get disk room and a slot and spill (room_after)
+  headroom_fits(size, n, now), trim_host(...)  a Store past the capacity, into the headroom, evicting once
+                                                its copy is queued (no disk tier)
   room_after(spills, now) -> future             queue those spills; what to wait for before their room is free
   host_blockers / protection_reason             why a Store finds no room (pins, protected retained blocks)
   onboard_many(entries, bufs, evict)            disk blocks read into scratch, put back in host slots: one
@@ -91,6 +93,28 @@ class HostRoom:
             victims.sort(key=lambda e: not e.retained(now))
         spills = self._evict_victims(victims, now, plain=host.arena.holds_only(block_bytes))
         return fit, spills
+
+    def headroom_fits(self, block_bytes: int, n: int, now: float) -> bool:
+        """Whether a Store of n blocks of block_bytes, which do not fit the tier's capacity now, may take
+        slots in the host tier's headroom and evict after its copy is queued (trim_host): no disk tier
+        (victims are dropped: nothing to wait for), one block size in the arena, the headroom has the
+        slots, and the unpinned blocks can make up what it takes past the capacity. Otherwise the Store
+        evicts first (make_host_room), refusals and all. No await, no change."""
+        host = self.host
+        if not host.headroom_bytes or self.disk is not None or not host.arena.holds_only(block_bytes):
+            return False
+        if host.placeable_over(block_bytes) < n:
+            return False
+        past = -(-(n * block_bytes - host.free_bytes) // block_bytes)  # blocks past the capacity once taken
+        return len(host) - host.counts.pinned_blocks(now) >= past
+
+    def trim_host(self, block_bytes: int, now: float) -> None:
+        """After a Store took headroom (headroom_fits) and its copy is queued: drop LRU victims until the
+        tier is back within its capacity, or as many as the pins allow now (the next Store's plan evicts
+        the rest before it copies). No await."""
+        host = self.host
+        if host.used_bytes > host.capacity_bytes:
+            self.make_host_room(block_bytes, 0, now)  # n = 0: what makes free_bytes >= 0 (no disk: no spills)
 
     def room_after(self, spills: list[Entry], now: float, block_bytes: int = 0, fit: int = 0) -> asyncio.Future | None:
         """Queue the spills make_host_room chose; returns what to wait for before their room can be

@@ -300,12 +300,20 @@ class StorePath:
                         break
                     TRACE.mark(call, "reserved")
                 want = hi - lo
-                fit, offsets = await self._host_room(s.block_bytes, want, now)
+                offsets = None
+                if t.host.placeable(s.block_bytes) < want and t.headroom_fits(s.block_bytes, want, now):
+                    # slots past the capacity now, the evictions once the copy is queued (trim_host)
+                    offsets = t.host.alloc(s.block_bytes, want, over=True)
+                over = offsets is not None
+                if over:
+                    fit = want
+                else:
+                    fit, offsets = await self._host_room(s.block_bytes, want, now)
                 TRACE.mark(call, "room")
                 if fit:
                     placed = life.build(res, fit)
                     life.place(placed, offsets)
-                    copy, enq = pipeline.copy_call(s.memory, "gather_into", loop, hi < n)
+                    copy, enq = pipeline.copy_call(s.memory, "gather_into", loop, hi < n or over)
                     jobs.append((loop.run_in_executor(self._copy_pool, copy, bids[lo:lo + fit], t.host.arena, offsets),
                                  placed))
                     TRACE.mark(call, "submitted")
@@ -313,6 +321,9 @@ class StorePath:
                     if enq is not None:  # the next plan once this copy is queued (or over): see pipeline.ENQUEUE_FIRST
                         await asyncio.wait((enq, jobs[-1][0]), return_when=asyncio.FIRST_COMPLETED)
                         TRACE.mark(call, "enqueued")
+                    if over:
+                        t.trim_host(s.block_bytes, now)
+                        TRACE.mark(call, "trimmed")
                 if fit < want:  # head first: when only part of the chain fits, keep its prefix
                     self._refuse_rest(s, pos[lo + fit:], res, lo + fit, n, now, results)
                     break

@@ -51,6 +51,34 @@ SPILL_BATCH_BYTES = int(os.environ.get("KVTUNE_SPILL_BATCH_MIB", "32")) << 20
 
 # the most new entries built ahead (BlankEntries): ~12 MiB of fixed overhead at 65536
 BLANK_ENTRIES_MAX = 65536
+# A Store into a full host tier (no disk tier) may take up to this many bytes past the tier's capacity and
+# evict only once its copy is queued on the device (store_path: the evictions run beside the DMA instead of
+# before it). KVTUNE_STORE_HEADROOM_MIB; at most half the host tier; 0: evict first, as with a disk tier.
+STORE_HEADROOM_BYTES = max(0, int(float(os.environ.get("KVTUNE_STORE_HEADROOM_MIB", "256")) * (1 << 20)))
+
+
+def spill_staging_bytes(config: Config) -> int:
+    """Arena bytes beside the host tier for victims whose spill is queued or being written, so a
+    Store does not wait for the disk: a quarter of the host tier, at least 64 MiB (at most the
+    tier itself), at most 1 GiB; none without a disk tier (victims are dropped, never staged)."""
+    if not config.has_disk:
+        return 0
+    host = config.host_capacity_bytes
+    return min(host, max(64 << 20, min(host // 4, 1 << 30)))
+
+
+def store_headroom_bytes(config: Config) -> int:
+    """Arena bytes past the host tier a Store may hold while its evictions wait for its copy to be
+    queued: STORE_HEADROOM_BYTES, at most half the tier, in whole pages; none with a disk tier (its
+    victims spill, and a Store waits for what the write queue cannot take: that stays before the copy)."""
+    if config.has_disk:
+        return 0
+    return min(STORE_HEADROOM_BYTES, config.host_capacity_bytes // 2) // 4096 * 4096
+
+
+def arena_bytes(config: Config) -> int:
+    """The host arena: the tier's capacity, the spill staging budget and the Stores' headroom."""
+    return config.host_capacity_bytes + spill_staging_bytes(config) + store_headroom_bytes(config)
 
 
 class Tiers(HostRoom, SpillJobs, ReadJobs):
@@ -60,7 +88,8 @@ class Tiers(HostRoom, SpillJobs, ReadJobs):
         self.stats = stats
         self.now = clock_now
         self.index = BlockIndex()
-        self.host = HostTier(arena, config.host_capacity_bytes)
+        self.host = HostTier(arena, config.host_capacity_bytes,
+                             min(store_headroom_bytes(config), max(0, arena.capacity_bytes - config.host_capacity_bytes)))
         self.disk = DiskTier(config.disk_path, config.disk_capacity_bytes) if config.has_disk else None
         self.segments: TierIO | None = None  # disk tier v2 (disk_format "segments"), opened by recover()
         self._writing: set[int] = set()  # segment slots with a write in flight

@@ -15,7 +15,8 @@ updates these books):
   counts                               pinned / retained members for Stats (placement.tier_counts), kept
                                        by the lifecycle; len(self) + len(unstaged) is the block count
 used_bytes is the bytes of slots on the tier's capacity (resident blocks, reserved and rolled-back
-Stores' slots, reads landing in slots), at most capacity_bytes. A victim being spilled keeps its
+Stores' slots, reads landing in slots), at most capacity_bytes once every Store's evictions ran (a
+Store that took headroom_bytes past it evicts once its copy is queued). A victim being spilled keeps its
 slot until the write ends (`spilling`): its bytes move to the spill staging budget (staging_bytes,
 part of the arena beside the tier's capacity) when it has room, so the Store that evicted it need
 not wait for the disk; a victim that finds the staging budget full keeps its bytes in used_bytes,
@@ -39,10 +40,13 @@ from kvservice.memory.host_arena import HostArena
 class HostTier:
     name = "host"
 
-    def __init__(self, arena: HostArena, capacity_bytes: int) -> None:
+    def __init__(self, arena: HostArena, capacity_bytes: int, headroom_bytes: int = 0) -> None:
         self.arena = arena
         self.capacity_bytes = capacity_bytes
-        self.staging_bytes = arena.capacity_bytes - capacity_bytes
+        # arena bytes past the capacity that a Store may take for a moment (kvservice.core.store_path: its
+        # evictions run once its copy is queued, and bring used_bytes back within capacity_bytes)
+        self.headroom_bytes = headroom_bytes
+        self.staging_bytes = arena.capacity_bytes - capacity_bytes - headroom_bytes
         self.used_bytes = 0
         self.staged_bytes = 0  # bytes of victims whose spill is queued or being written, on the staging budget
         self.loose_bytes = 0  # of used_bytes: slots alloc() took that no block holds yet (disk reads in flight)
@@ -78,8 +82,14 @@ class HostTier:
         """Blocks of that size the tier can take now: arena slots free and within capacity_bytes."""
         return min(self.arena.placeable(block_bytes), self.free_bytes // block_bytes)
 
-    def alloc(self, block_bytes: int, n: int) -> list[int] | None:
-        if n * block_bytes > self.free_bytes:
+    def placeable_over(self, block_bytes: int) -> int:
+        """Blocks of that size a Store may take now into the headroom: arena slots free and within
+        capacity_bytes + headroom_bytes."""
+        return min(self.arena.placeable(block_bytes), (self.free_bytes + self.headroom_bytes) // block_bytes)
+
+    def alloc(self, block_bytes: int, n: int, over: bool = False) -> list[int] | None:
+        """n slots within the capacity (over: within capacity + headroom); None: no room."""
+        if n * block_bytes > self.free_bytes + (self.headroom_bytes if over else 0):
             return None
         offsets = self.arena.alloc(block_bytes, n)
         if offsets is not None:
