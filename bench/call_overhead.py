@@ -10,8 +10,8 @@ pool blocks. Per call: the wall time the client sees, and the daemon's own time 
 difference of Admin.Stats' store / load latency sums around the call: BlockCache's work and its copies,
 no gRPC). "outside" = the rest: gRPC, the request and reply conversions, the client's loop thread. The
 first 5 calls of each size are warm-up. On the channel route the client's own part of "outside" is
-split out: "client before" (from the call to its request handed to the socket: packing, encoding, the
-hop to the client's loop thread) and "client after" (from the whole answer read to the call's return). Prints medians in a Markdown table (ms) and, as the floor of
+split out: "client before" (from the call to its request handed to the socket: packing, encoding, and
+the hop to the client's loop thread where the call takes that path) and "client after" (from the whole answer read to the call's return). Prints medians in a Markdown table (ms) and, as the floor of
 the outside part, nothing: bench/lookup_latency.py measures the empty gRPC round trip.
 """
 
@@ -35,16 +35,27 @@ _SENT: dict[str, float] = {}  # the client's last frames-channel round trip: whe
 
 
 def _timed_round_trips() -> None:
-    """Stamp the start and end of every AsyncLookupChannel round trip of this process (the client's side)."""
-    real = lookup_channel.AsyncLookupChannel._round_trip
+    """Stamp the start and end of every frames-channel round trip of this process (the client's side): the
+    blocking LookupChannel's (KVClient's one-batch Store and Load, from the caller's thread) and the
+    AsyncLookupChannel's (from the client's loop)."""
+    real_async = lookup_channel.AsyncLookupChannel._round_trip
+    real_sync = lookup_channel.LookupChannel._round_trip
 
-    async def stamped(self, request, limit):
+    async def stamped_async(self, request, limit):
         _SENT["send"] = time.perf_counter()
         try:
-            return await real(self, request, limit)
+            return await real_async(self, request, limit)
         finally:
             _SENT["answer"] = time.perf_counter()
-    lookup_channel.AsyncLookupChannel._round_trip = stamped
+
+    def stamped_sync(self, sock, framed, limit):
+        _SENT["send"] = time.perf_counter()
+        try:
+            return real_sync(self, sock, framed, limit)
+        finally:
+            _SENT["answer"] = time.perf_counter()
+    lookup_channel.AsyncLookupChannel._round_trip = stamped_async
+    lookup_channel.LookupChannel._round_trip = stamped_sync
 
 
 def measure(block_bytes: int, n: int, calls: int, routes: list[str]) -> dict[tuple[str, str], tuple[float, ...]]:
