@@ -354,6 +354,13 @@ def test_scattered_arena_slots_and_many_chunks_move_exactly():
     1 MiB, so the lane's staging slots are reused four times over; then loaded back in another
     order into other blocks. Every slot holds its block's bytes, every CRC32C matches, and every
     loaded block equals its source (a helper process maps the pool, as the daemon does)."""
+    assert _child_on_a_random_pool(_SCATTERED_SLOTS_CHILD, 120) == {"landed": True, "crcs": True, "loaded": True}
+
+
+def _child_on_a_random_pool(script: str, timeout: float):
+    """Run `script` in a helper process that maps a fresh layer-first CUDA pool of random bytes (2048
+    blocks of 16 KiB, 4 layers; its PoolDescription in hex on stdin), as the daemon maps one; the
+    JSON of its last line of output."""
     import json
 
     from engine_client import CudaKVPool
@@ -363,10 +370,10 @@ def test_scattered_arena_slots_and_many_chunks_move_exactly():
     try:
         pool.buffer.random_(0, 256)
         torch.cuda.synchronize()
-        p = subprocess.run([sys.executable, "-c", _SCATTERED_SLOTS_CHILD], input=pool.description().SerializeToString().hex()
-                           + "\n", capture_output=True, text=True, env=child_env(), timeout=120, cwd=ROOT)
+        p = subprocess.run([sys.executable, "-c", script], input=pool.description().SerializeToString().hex() + "\n",
+                           capture_output=True, text=True, env=child_env(), timeout=timeout, cwd=ROOT)
         assert p.returncode == 0, p.stderr[-3000:]
-        assert json.loads(p.stdout.strip().splitlines()[-1]) == {"landed": True, "crcs": True, "loaded": True}
+        return json.loads(p.stdout.strip().splitlines()[-1])
     finally:
         pool.close()
 
@@ -433,22 +440,8 @@ def test_driver_launches_move_the_same_bytes_and_crcs_as_the_torch_path():
     a layout of 24-byte rows (8-byte words), blocks stored into scattered and adjacent arena slots land
     byte for byte as the torch path lands them, with the same CRC32C, and Loads through the driver put
     them back exactly; the lean path really ran (a helper process maps the pool, as the daemon does)."""
-    import json
-
-    from engine_client import CudaKVPool
-    from harness.daemon import child_env
-
-    pool = CudaKVPool(2048, 16 << 10, layout="layer-first", num_layers=4)
-    try:
-        pool.buffer.random_(0, 256)
-        torch.cuda.synchronize()
-        p = subprocess.run([sys.executable, "-c", _LEAN_CHILD], input=pool.description().SerializeToString().hex()
-                           + "\n", capture_output=True, text=True, env=child_env(), timeout=180, cwd=ROOT)
-        assert p.returncode == 0, p.stderr[-3000:]
-        got = json.loads(p.stdout.strip().splitlines()[-1])
-        assert got and all(all(r.values()) for r in got.values()), got
-    finally:
-        pool.close()
+    got = _child_on_a_random_pool(_LEAN_CHILD, 180)
+    assert got and all(all(r.values()) for r in got.values()), got
 
 
 @gpu
