@@ -171,7 +171,7 @@ class _Lane:
         self.dma = torch.cuda.Stream(device)
         self._staging: torch.Tensor | None = None
         # a job's block ids (pinned, on the device) and its rows' CRCs (on the device, pinned), kept for the
-        # next job on this lane (LANE_BUFFERS): every job ends by synchronising its lane, so the next one
+        # next job on this lane (driver launches): every job ends by synchronising its lane, so the next one
         # may overwrite them
         self._ids: tuple[np.ndarray, torch.Tensor, torch.Tensor] | None = None
         self._crc: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -188,15 +188,8 @@ class _Lane:
         return self._staging
 
     def ids(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """Block ids as int64 on the device, copied on the current stream from this lane's pinned
-        buffer (no allocation, no host sync: one memcpy into pinned memory and one cudaMemcpyAsync).
-        Without LANE_BUFFERS: _device_ids (torch's caching host allocator, per call)."""
-        if not LANE_BUFFERS:
-            return _device_ids(block_ids, self.device)
-        n, host, dev = self.stage_ids(block_ids)
-        out = dev[:n]
-        out.copy_(host[:n], non_blocking=True)
-        return out
+        """Block ids as int64 on the device, copied on the current stream (torch launches: _device_ids)."""
+        return _device_ids(block_ids, self.device)
 
     def stage_ids(self, block_ids: Sequence[int]) -> tuple[int, torch.Tensor, torch.Tensor]:
         """The ids written into this lane's pinned buffer: (n, pinned host int64, device int64 of the
@@ -210,6 +203,13 @@ class _Lane:
         view, host, dev = self._ids
         view[:n] = a
         return n, host, dev
+
+    def upload_ids(self, go: LaneLaunches, block_ids: Sequence[int], stream: int) -> int:
+        """The ids on the device through this lane's pinned buffer, one driver copy on `stream` (lean
+        launches); returns their device address."""
+        n, host, dev = self.stage_ids(block_ids)
+        go.d.htod(dev.data_ptr(), host.data_ptr(), 8 * n, stream)
+        return dev.data_ptr()
 
     def segs(self, n: int) -> torch.Tensor:
         """n int32 on the device: the GPU CRC's per-segment values of a chunk (lean launches)."""
@@ -231,8 +231,8 @@ class _Lane:
 
     def crc(self, n: int, keep: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """n int32 on the device (the rows' CRCs) and n pinned int32 on the host (where they land).
-        keep: through buffers this lane keeps (always with LANE_BUFFERS, and for lean launches)."""
-        if not (keep or LANE_BUFFERS):
+        keep: through buffers this lane keeps (driver launches); else new tensors (torch launches)."""
+        if not keep:
             return (torch.empty(n, dtype=torch.int32, device=self.device),
                     torch.empty(n, dtype=torch.int32, pin_memory=True))
         if self._crc is None or self._crc[0].numel() < n:
@@ -405,13 +405,8 @@ def host_runs(srcs: Sequence[torch.Tensor], row_bytes: int) -> list[tuple[int, i
 # the stream (the lane's kernel stream, behind the engine's event): the copy thread's launches stalled
 # there 0.28 ms a part on the H100 (the call timelines' gather.lane -> gather.ids).
 ASYNC_IDS = os.environ.get("KVTUNE_ASYNC_IDS", "1") == "1"
-# LANE_BUFFERS (KVTUNE_LANE_BUFFERS=1, an A/B; off by default until it has run on a GPU host): a copy job's
-# ids and CRCs go through buffers its lane keeps (_Lane.ids, _Lane.crc), not through new tensors per call;
-# and a Load queues its first chunk's H2D before its ids go to the device (only the scatter kernels need
-# them). H100 call timelines of 256 MiB batches (BENCHMARKS.md, "Lead, 2026-12-07 21:25"): gather.lane ->
-# gather.ids 0.31-0.43 ms, all before the first DMA. Written without device time left to run it: the GPU
-# tests with it on (KVTUNE_LANE_BUFFERS=1 in the environment of scripts/device_session.sh) come first.
-LANE_BUFFERS = os.environ.get("KVTUNE_LANE_BUFFERS", "0") == "1"
+# (KVTUNE_LANE_BUFFERS, the torch launches through buffers each lane keeps, was A/B'd on the H100 on
+# 2026-12-08 and gained nothing (BENCHMARKS.md): gone; the driver launches keep such buffers.)
 # LEAN_LAUNCH (default; KVTUNE_LEAN_LAUNCH=0: the torch path, an A/B): a chunk's gather or scatter kernel,
 # CRC kernels, copies and events go through libcuda directly (kvservice.memory.cuda_launch: one ctypes call
 # each, the GIL released in it) instead of torch ops; pools whose regions are not one 8-byte-aligned
@@ -770,13 +765,6 @@ class CudaEngineMemory:
                 sizes.append(k)
                 k *= 2
             crc_out = torch.empty(per, dtype=torch.int32, device=dev) if crc is not None else None
-            # the lane's ids and CRC buffers at the size of the largest job this pool can ask for (its
-            # distinct ids), so that a fresh daemon's first Store allocates no pinned or device memory
-            if LANE_BUFFERS:
-                most = min(self.spec.num_blocks, IDS_WARM_MAX)
-                lane.ids(np.zeros(most, dtype=np.int64))
-                if crc is not None:
-                    lane.crc(most)
             for k in sizes:
                 idx = torch.zeros(k, dtype=torch.long, device=dev)
                 rows = self._gather_dev(idx, out=staging[0, :k * bb].view(self._dtype).view(k, self._row))
@@ -818,15 +806,14 @@ class CudaEngineMemory:
             lane.crc(most, keep=True)
             seg = crc_segment_bytes(bb)
             lane.segs(chunk_rows(1 << 20, bb)[0] * (bb // seg))
-        n, host, dev = lane.stage_ids([0])
         ks = lane.kernels.cuda_stream
-        go.d.htod(dev.data_ptr(), host.data_ptr(), 8, ks)
-        go.rows(True, rows, dev.data_ptr(), 1, staging.data_ptr(), ks)
+        ids = lane.upload_ids(go, [0], ks)
+        go.rows(True, rows, ids, 1, staging.data_ptr(), ks)
         if crc is not None:
             self._crc_lean(go, lane, staging.data_ptr(), 1, lane.crc(1, keep=True)[0].data_ptr(), ks)
         scratch = torch.empty(rows.regions * rows.row_bytes, dtype=torch.uint8, device=self._dev.device)
         go.rows(False, PoolRows(scratch.data_ptr(), rows.regions, rows.row_bytes, 0, rows.row_bytes, rows.width),
-                dev.data_ptr(), 1, staging.data_ptr(), ks)
+                ids, 1, staging.data_ptr(), ks)
         go.d.sync(ks)
 
     def _warm_batch_copy(self, host: torch.Tensor, rows: torch.Tensor, stream: torch.cuda.Stream) -> None:
@@ -1023,10 +1010,8 @@ class CudaEngineMemory:
         with self._inflight, torch.cuda.device(self._dev.index), self._dev.lane() as lane:
             try:
                 staging = lane.staging(chunks[0] * bb)
-                idx = None
-                if not LANE_BUFFERS:
-                    with torch.cuda.stream(lane.kernels):
-                        idx = lane.ids(block_ids)
+                with torch.cuda.stream(lane.kernels):
+                    idx = lane.ids(block_ids)
                 free_after: list[torch.cuda.Event | None] = [None] * STAGING_SLOTS
                 lo = 0
                 for j, k in enumerate(chunks):
@@ -1037,9 +1022,6 @@ class CudaEngineMemory:
                     with torch.cuda.stream(lane.dma):
                         fill(staged, lo, k, lane.dma)
                         copied = lane.dma.record_event()
-                    if idx is None:  # the first H2D is queued: now the ids, which only the scatter kernels need
-                        with torch.cuda.stream(lane.kernels):
-                            idx = lane.ids(block_ids)
                     lane.kernels.wait_event(copied)
                     with torch.cuda.stream(lane.kernels):
                         self._scatter_dev(idx[lo:lo + k], staged)
@@ -1083,57 +1065,62 @@ class CudaEngineMemory:
             else:
                 copy(staged + first * bb, base + off, n * bb, stream)
 
+    @contextmanager
+    def _lean_lane(self, chunk_bytes: int) -> Iterator[tuple[_Lane, LaneLaunches, int, int]]:
+        """A copy job's lane for driver launches: (lane, its launches, staging base address, bytes between
+        staging slots), the device's context current; the lane is synchronised when the job ends, however
+        it ends (a Load's reply promises the bytes are in the engine's memory; a lane is reused)."""
+        with self._inflight, torch.cuda.device(self._dev.index), self._dev.lane() as lane:
+            go = lane.launches(self._launcher)
+            try:
+                go.enter()
+                staging = lane.staging(chunk_bytes)
+                yield lane, go, staging.data_ptr(), staging.stride(0)
+            finally:
+                lane.synchronize()
+
     def _gather_lean(self, base: torch.Tensor, block_ids: Sequence[int], offs: np.ndarray, chunks: list[int],
                      with_crc: bool, enqueued: Callable[[], None] | None) -> list[int]:
         """_gather_to through the driver: per chunk j one gather kernel into staging slot j % STAGING_SLOTS
         (once the D2H of chunk j - STAGING_SLOTS has left it), the CRC kernels beside the D2H of its runs."""
         bb, n_all, rows = self.block_bytes, len(block_ids), self._rows
         host_base = base.data_ptr()
-        with self._inflight, torch.cuda.device(self._dev.index), self._dev.lane() as lane:
-            go = lane.launches(self._launcher)
-            try:
-                go.enter()
-                staging = lane.staging(chunks[0] * bb)
-                sbase, width = staging.data_ptr(), staging.stride(0)
-                ks, ds = lane.kernels.cuda_stream, lane.dma.cuda_stream
-                TRACE.mark(0, "gather.lane")
-                if self._event is not None:
-                    lane.kernels.wait_event(self._event)  # the engine's writes to these blocks come first
-                n, host_ids, dev_ids = lane.stage_ids(block_ids)
-                go.d.htod(dev_ids.data_ptr(), host_ids.data_ptr(), 8 * n, ks)
-                ids = dev_ids.data_ptr()
-                crc_dev, crc_host = lane.crc(n_all, keep=True) if with_crc else (None, None)
-                ev = go.events(2 * STAGING_SLOTS)  # [slot]: gathered; [STAGING_SLOTS + slot]: the slot is free again
-                TRACE.mark(0, "gather.ids")
-                used = [False] * STAGING_SLOTS
-                lo = 0
-                for j, k in enumerate(chunks):
-                    slot = j % STAGING_SLOTS
-                    staged = sbase + slot * width
-                    if used[slot]:
-                        go.d.wait(ks, ev[STAGING_SLOTS + slot])
-                    go.rows(True, rows, ids + 8 * lo, k, staged, ks)
-                    go.d.record(ev[slot], ks)
-                    if crc_dev is not None:
-                        self._crc_lean(go, lane, staged, k, crc_dev.data_ptr() + 4 * lo, ks)
-                    go.d.wait(ds, ev[slot])
-                    self._runs_lean(go, True, staged, host_base, runs(offs[lo:lo + k], bb), ds)
-                    go.d.record(ev[STAGING_SLOTS + slot], ds)
-                    used[slot] = True
-                    if not j:
-                        TRACE.mark(0, "gather.d2h0")
-                    lo += k
-                TRACE.mark(0, "gather.queued")
-                if enqueued is not None:
-                    enqueued()
-                sums: list[int] = []
+        with self._lean_lane(chunks[0] * bb) as (lane, go, sbase, width):
+            ks, ds = lane.kernels.cuda_stream, lane.dma.cuda_stream
+            TRACE.mark(0, "gather.lane")
+            if self._event is not None:
+                lane.kernels.wait_event(self._event)  # the engine's writes to these blocks come first
+            ids = lane.upload_ids(go, block_ids, ks)
+            crc_dev, crc_host = lane.crc(n_all, keep=True) if with_crc else (None, None)
+            ev = go.events(2 * STAGING_SLOTS)  # [slot]: gathered; [STAGING_SLOTS + slot]: the slot is free again
+            TRACE.mark(0, "gather.ids")
+            used = [False] * STAGING_SLOTS
+            lo = 0
+            for j, k in enumerate(chunks):
+                slot = j % STAGING_SLOTS
+                staged = sbase + slot * width
+                if used[slot]:
+                    go.d.wait(ks, ev[STAGING_SLOTS + slot])
+                go.rows(True, rows, ids + 8 * lo, k, staged, ks)
+                go.d.record(ev[slot], ks)
                 if crc_dev is not None:
-                    go.d.dtoh(crc_host.data_ptr(), crc_dev.data_ptr(), 4 * n_all, ks)
-                    go.d.sync(ks)
-                    sums = crc_host.numpy().view(np.uint32).tolist()
-                go.d.sync(ds)
-            finally:
-                lane.synchronize()
+                    self._crc_lean(go, lane, staged, k, crc_dev.data_ptr() + 4 * lo, ks)
+                go.d.wait(ds, ev[slot])
+                self._runs_lean(go, True, staged, host_base, runs(offs[lo:lo + k], bb), ds)
+                go.d.record(ev[STAGING_SLOTS + slot], ds)
+                used[slot] = True
+                if not j:
+                    TRACE.mark(0, "gather.d2h0")
+                lo += k
+            TRACE.mark(0, "gather.queued")
+            if enqueued is not None:
+                enqueued()
+            sums: list[int] = []
+            if crc_dev is not None:
+                go.d.dtoh(crc_host.data_ptr(), crc_dev.data_ptr(), 4 * n_all, ks)
+                go.d.sync(ks)
+                sums = crc_host.numpy().view(np.uint32).tolist()
+            go.d.sync(ds)
         TRACE.mark(0, "gather.done")
         return sums
 
@@ -1147,39 +1134,30 @@ class CudaEngineMemory:
             return
         chunks = chunk_rows(n_all, bb)
         TRACE.mark(0, "scatter.start")
-        with self._inflight, torch.cuda.device(self._dev.index), self._dev.lane() as lane:
-            go = lane.launches(self._launcher)
-            try:
-                go.enter()
-                staging = lane.staging(chunks[0] * bb)
-                sbase, width = staging.data_ptr(), staging.stride(0)
-                ks, ds = lane.kernels.cuda_stream, lane.dma.cuda_stream
-                ev = go.events(2 * STAGING_SLOTS)  # [slot]: copied in; [STAGING_SLOTS + slot]: scattered out
-                used = [False] * STAGING_SLOTS
-                ids = 0
-                lo = 0
-                for j, k in enumerate(chunks):
-                    slot = j % STAGING_SLOTS
-                    staged = sbase + slot * width
-                    if used[slot]:
-                        go.d.wait(ds, ev[STAGING_SLOTS + slot])
-                    self._runs_lean(go, False, staged, host_base, runs(offs[lo:lo + k], bb), ds)
-                    go.d.record(ev[slot], ds)
-                    if not ids:
-                        n, host_ids, dev_ids = lane.stage_ids(block_ids)
-                        go.d.htod(dev_ids.data_ptr(), host_ids.data_ptr(), 8 * n, ks)
-                        ids = dev_ids.data_ptr()
-                    go.d.wait(ks, ev[slot])
-                    go.rows(False, rows, ids + 8 * lo, k, staged, ks)
-                    go.d.record(ev[STAGING_SLOTS + slot], ks)
-                    used[slot] = True
-                    lo += k
-                TRACE.mark(0, "scatter.queued")
-                if enqueued is not None:
-                    enqueued()
-                go.d.sync(ks)
-            finally:
-                lane.synchronize()  # the Load reply promises the bytes are in the engine's memory
+        with self._lean_lane(chunks[0] * bb) as (lane, go, sbase, width):  # (its end: the bytes are in the pool)
+            ks, ds = lane.kernels.cuda_stream, lane.dma.cuda_stream
+            ev = go.events(2 * STAGING_SLOTS)  # [slot]: copied in; [STAGING_SLOTS + slot]: scattered out
+            used = [False] * STAGING_SLOTS
+            ids = 0
+            lo = 0
+            for j, k in enumerate(chunks):
+                slot = j % STAGING_SLOTS
+                staged = sbase + slot * width
+                if used[slot]:
+                    go.d.wait(ds, ev[STAGING_SLOTS + slot])
+                self._runs_lean(go, False, staged, host_base, runs(offs[lo:lo + k], bb), ds)
+                go.d.record(ev[slot], ds)
+                if not ids:
+                    ids = lane.upload_ids(go, block_ids, ks)
+                go.d.wait(ks, ev[slot])
+                go.rows(False, rows, ids + 8 * lo, k, staged, ks)
+                go.d.record(ev[STAGING_SLOTS + slot], ks)
+                used[slot] = True
+                lo += k
+            TRACE.mark(0, "scatter.queued")
+            if enqueued is not None:
+                enqueued()
+            go.d.sync(ks)
         TRACE.mark(0, "scatter.done")
 
     def _copy_runs_out(self, staged: torch.Tensor, base: torch.Tensor, spans: Sequence[tuple[int, int, int]],
