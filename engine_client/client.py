@@ -92,6 +92,13 @@ class _Session:
         return min(n, lo + self.max_batch_blocks) if self.max_batch_blocks else n
 
 
+def check_reply_arrays(rpc: str, n: int, got: tuple[Sequence[Any], ...]) -> None:
+    """A batch reply's per-block arrays: the first has one entry per block asked, each other one as many
+    or none (an array the daemon leaves empty when all its values are 0); INTERNAL otherwise."""
+    if len(got[0]) != n or any(len(a) not in (0, n) for a in got[1:]):
+        raise KVClientError(grpc.StatusCode.INTERNAL, f"{rpc} of {n} blocks answered {[len(a) for a in got]} results")
+
+
 class AsyncKVClient:
     """One engine process's session with kvservice. Create, `await connect()`, use, `await close()`."""
 
@@ -386,10 +393,7 @@ class AsyncKVClient:
             if reply is None:  # detached, before or during this batch: the rest is a miss
                 fallback(n - done)
                 return
-            got = arrays(reply)
-            if len(got[0]) != hi - done or any(len(a) not in (0, hi - done) for a in got[1:]):
-                raise KVClientError(grpc.StatusCode.INTERNAL,
-                                    f"{rpc} of {hi - done} blocks answered {[len(a) for a in got]} results")
+            check_reply_arrays(rpc, hi - done, arrays(reply))
             take(reply)
             done = hi
 

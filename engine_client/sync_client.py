@@ -46,6 +46,7 @@ from engine_client.client import (
     _pack,
     _pack_refs,
     _Session,
+    check_reply_arrays,
     lookup_answer,
     lookup_channel_answer,
 )
@@ -285,9 +286,7 @@ class KVClient:
             self._run(self._client._detached_by(session, rpc, code, got.message))
             fallback(n)
             return True
-        got_arrays = arrays(got)
-        if len(got_arrays[0]) != n or any(len(a) not in (0, n) for a in got_arrays[1:]):
-            raise KVClientError(grpc.StatusCode.INTERNAL, f"{rpc} of {n} blocks answered {[len(a) for a in got_arrays]} results")
+        check_reply_arrays(rpc, n, arrays(got))
         take(got)
         return True
 
